@@ -1,0 +1,237 @@
+"""Cluster config: one YAML file, validated by pydantic, that describes models, engine pools,
+the router, Redis and the API ports. A bad file fails at load with a message naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from cluster.speculation import SpecMode
+
+# Methods that run on vLLM's CPU build here; the rest are passed through to vLLM on GPUs.
+CPU_METHODS = {SpecMode.NONE, SpecMode.NGRAM, SpecMode.DRAFT_MODEL, SpecMode.EAGLE}
+# Methods whose proposer is a separate set of weights named by `drafter`.
+DRAFTER_METHODS = {SpecMode.DRAFT_MODEL, SpecMode.EAGLE, SpecMode.EAGLE3}
+
+
+class ConfigError(ValueError):
+    """A cluster config that does not validate; the message names the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class ModelConfig(_Strict):
+    source: str = Field(
+        description=(
+            "Where the weights come from: 'gguf-package:<module>/<file>.gguf' (a GGUF file shipped "
+            "inside an installed Python package, converted once to a Hugging Face directory), "
+            "'truncate:<model>:<layers>' (a drafter made from the first <layers> decoder layers of "
+            "another model in this file), a local Hugging Face directory, or a hub id."
+        )
+    )
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "auto", description="Weights dtype for vLLM ('auto' takes the checkpoint's)."
+    )
+
+
+class AutoscalingConfig(_Strict):
+    min_replicas: int = Field(1, ge=0, description="Lower bound on engine replicas.")
+    max_replicas: int = Field(1, ge=1, description="Upper bound on engine replicas.")
+    target_ongoing_requests: float = Field(
+        8.0, gt=0, description="Ray Serve scales to keep this many requests in flight per replica."
+    )
+    upscale_delay_s: float = Field(30.0, ge=0, description="Sustained load needed before scaling up.")
+    downscale_delay_s: float = Field(300.0, ge=0, description="Sustained idleness before scaling down.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AutoscalingConfig":
+        if self.max_replicas < self.min_replicas:
+            raise ValueError("max_replicas must be >= min_replicas")
+        return self
+
+
+class PoolConfig(_Strict):
+    """A set of identical engine replicas: one target model, one speculative method, K up to max_k."""
+
+    model: str = Field(description="Name of the target model (a key of `models`).")
+    method: SpecMode = Field(SpecMode.NONE, description="Speculative method of this pool's engines.")
+    drafter: Optional[str] = Field(
+        None, description="Drafter model (a key of `models`) for draft_model / eagle / eagle3."
+    )
+    max_k: int = Field(0, ge=0, le=16, description="Largest K a request may ask of this pool (0 for method none).")
+    ngram_min: int = Field(2, ge=1, description="n-gram method: shortest prompt match.")
+    ngram_max: int = Field(5, ge=1, description="n-gram method: longest prompt match.")
+    replicas: int = Field(1, ge=1, description="Replicas when autoscaling is not set.")
+    autoscaling: Optional[AutoscalingConfig] = Field(None, description="Ray Serve autoscaling of replicas.")
+    max_ongoing_requests: int = Field(
+        64, ge=1, description="Requests one replica admits at once (Ray Serve backpressure)."
+    )
+    max_queued_requests: int = Field(
+        128, ge=-1, description="Requests queued for this pool before callers get 'overloaded' (-1: no bound)."
+    )
+    max_model_len: int = Field(2048, ge=64, description="Context length of the engines.")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism of the target.")
+    bundles: list[dict[str, float]] = Field(
+        default_factory=lambda: [{"CPU": 1}],
+        description=(
+            "Placement-group bundles of one replica, e.g. [{CPU: 1, GPU: 1}, {GPU: 1}] for TP=2; "
+            "the replica actor takes the first bundle, vLLM workers the rest."
+        ),
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK", description="Ray placement-group strategy for a replica's bundles."
+    )
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra vLLM AsyncEngineArgs, passed through as given."
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="Environment of the replica's process.")
+    startup_timeout_s: float = Field(600.0, gt=0, description="Engine start-up must finish within this.")
+
+    @field_validator("bundles")
+    @classmethod
+    def _bundles(cls, v: list[dict[str, float]]) -> list[dict[str, float]]:
+        if not v:
+            raise ValueError("needs at least one bundle")
+        for b in v:
+            for res, amount in b.items():
+                if amount < 0:
+                    raise ValueError(f"resource {res!r} must be >= 0, got {amount}")
+        return v
+
+    @model_validator(mode="after")
+    def _method(self) -> "PoolConfig":
+        if self.method == SpecMode.NONE and self.max_k != 0:
+            raise ValueError("max_k must be 0 when method is 'none'")
+        if self.method != SpecMode.NONE and self.max_k < 1:
+            raise ValueError(f"max_k must be >= 1 for method {self.method.value!r}")
+        if self.method in DRAFTER_METHODS and not self.drafter:
+            raise ValueError(f"method {self.method.value!r} needs `drafter`")
+        if self.method not in DRAFTER_METHODS and self.drafter:
+            raise ValueError(f"`drafter` is only used by {sorted(m.value for m in DRAFTER_METHODS)}")
+        if self.ngram_max < self.ngram_min:
+            raise ValueError("ngram_max must be >= ngram_min")
+        return self
+
+    @property
+    def modes(self) -> list[SpecMode]:
+        """Modes a request can get from this pool: its method, and plain decoding (K = 0)."""
+        return [SpecMode.NONE] if self.method == SpecMode.NONE else [self.method, SpecMode.NONE]
+
+
+class RouterConfig(_Strict):
+    default_mode: str = Field(
+        "auto",
+        description="Mode when a request names none: 'auto' (the router's policy) or a mode name.",
+    )
+    default_k: dict[str, int] = Field(
+        default_factory=lambda: {"ngram": 3, "draft_model": 3, "eagle": 3, "eagle3": 3, "mtp": 1, "suffix": 4},
+        description="Safe default K per mode when the router has no tuning state.",
+    )
+    replicas: int = Field(1, ge=1, description="Router (ingress) replicas.")
+    max_ongoing_requests: int = Field(256, ge=1, description="Requests one router replica admits at once.")
+
+    @field_validator("default_mode")
+    @classmethod
+    def _mode(cls, v: str) -> str:
+        if v != "auto":
+            SpecMode.parse(v)
+        return v
+
+    @field_validator("default_k")
+    @classmethod
+    def _k(cls, v: dict[str, int]) -> dict[str, int]:
+        for mode, k in v.items():
+            SpecMode.parse(mode)
+            if not 0 <= k <= 16:
+                raise ValueError(f"default_k[{mode}] must be in 0..16, got {k}")
+        return v
+
+
+class RedisConfig(_Strict):
+    url: str = Field("redis://127.0.0.1:6390/0", description="Redis holding the tuning state.")
+    start_local: bool = Field(
+        True, description="`specserve up` starts a local redis-server on the URL's port if none answers."
+    )
+    socket_timeout_s: float = Field(0.05, gt=0, description="Per-call timeout; past it the router serves on defaults.")
+    key_prefix: str = Field("specserve:v1", description="Namespace of every key.")
+
+
+class ApiConfig(_Strict):
+    host: str = Field("127.0.0.1", description="Address the HTTP and gRPC proxies listen on.")
+    http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
+    grpc_port: int = Field(9000, ge=0, le=65535, description="gRPC port (0 disables gRPC).")
+
+
+class RayConfig(_Strict):
+    address: Optional[str] = Field(
+        None, description="Ray cluster to join ('auto', 'ray://...'); None starts a local one."
+    )
+    num_cpus: Optional[int] = Field(
+        None, ge=1, description="CPUs a local Ray cluster advertises (None: detect)."
+    )
+
+
+class ClusterConfig(_Strict):
+    name: str = Field("specserve", description="Ray Serve application name.")
+    models: dict[str, ModelConfig] = Field(description="Models by served name.")
+    pools: dict[str, PoolConfig] = Field(description="Engine pools by name.")
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    api: ApiConfig = Field(default_factory=ApiConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="after")
+    def _refs(self) -> "ClusterConfig":
+        if not self.pools:
+            raise ValueError("pools: at least one pool is needed")
+        for name, pool in self.pools.items():
+            if pool.model not in self.models:
+                raise ValueError(f"pools.{name}.model: unknown model {pool.model!r}; known: {sorted(self.models)}")
+            if pool.drafter and pool.drafter not in self.models:
+                raise ValueError(f"pools.{name}.drafter: unknown model {pool.drafter!r}; known: {sorted(self.models)}")
+        for name, model in self.models.items():
+            if model.source.startswith("truncate:"):
+                parts = model.source.split(":")
+                if len(parts) != 3 or parts[1] not in self.models or not parts[2].isdigit():
+                    raise ValueError(
+                        f"models.{name}.source: expected 'truncate:<model>:<layers>' naming a model of this file"
+                    )
+        if self.router.default_mode not in ("auto", "none"):
+            mode = SpecMode.parse(self.router.default_mode)
+            if not any(mode in p.modes for p in self.pools.values()):
+                raise ValueError(f"router.default_mode: no pool serves mode {mode.value!r}")
+        return self
+
+    def served_models(self) -> list[str]:
+        """Target models that at least one pool serves (drafters are not served)."""
+        return sorted({p.model for p in self.pools.values()})
+
+
+def load_config(path: str | Path) -> ClusterConfig:
+    """Read and validate a cluster config; raise ConfigError naming the bad field."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    return parse_config(raw, origin=str(path))
+
+
+def parse_config(raw: Any, origin: str = "<config>") -> ClusterConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{origin}: top level must be a mapping")
+    try:
+        return ClusterConfig.model_validate(raw)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            lines.append(f"  {loc}: {err['msg']}")
+        raise ConfigError(f"{origin}: invalid cluster config:\n" + "\n".join(lines)) from None

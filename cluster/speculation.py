@@ -1,0 +1,89 @@
+"""The words of speculative decoding, defined once; everything in specserve is named after them.
+
+One *step* of a request is one forward pass of the target over that request. In a step:
+
+- **draft tokens** (``drafted``): the K tokens a proposer guessed for the request (n-gram lookup,
+  a draft model, MTP/EAGLE heads). ``K`` is the request's *speculation length* for that step;
+  K = 0 means plain decoding. A proposer may find fewer than K (n-gram finds none on novel text).
+- **accepted tokens** (``accepted``): the leading draft tokens the target agreed with
+  (0 <= accepted <= drafted). Rejection sampling makes the output distribution exactly the
+  target's, so speculation is lossless; under greedy decoding the text is identical.
+- **bonus token**: the one token the target itself produces after the accepted prefix
+  (the recovered token at the first rejection, or the extra token when all drafts were accepted).
+- output tokens of a step = accepted + 1 (the bonus).
+- **acceptance length** = output tokens per step = accepted / steps + 1, averaged over steps.
+  1.0 means speculation bought nothing; K + 1 is the ceiling.
+- **acceptance rate** = accepted / drafted.
+- **goodput**: output tokens per second that meet the request's latency objective.
+
+A request's *speculative mode* is the proposer family (``SpecMode``); its K is chosen per request
+(and may be capped per step by the engine under load). ``SpecStats`` is what every response
+reports about what was used and what happened.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+
+# Key under SamplingParams.extra_args that carries the per-request K into the engine's scheduler.
+EXTRA_ARGS_K = "specserve_k"
+
+
+class SpecMode(str, enum.Enum):
+    """Proposer families. ``none`` is plain decoding; the GPU-only ones pass through to vLLM."""
+
+    NONE = "none"
+    NGRAM = "ngram"
+    DRAFT_MODEL = "draft_model"
+    EAGLE = "eagle"
+    EAGLE3 = "eagle3"
+    MTP = "mtp"
+    SUFFIX = "suffix"
+
+    @classmethod
+    def parse(cls, value: str) -> "SpecMode":
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(m.value for m in cls)
+            raise ValueError(f"unknown speculative mode {value!r}; allowed: {allowed}") from None
+
+
+@dataclass
+class SpecStats:
+    """What one request used and what happened, summed over its steps."""
+
+    mode: str = SpecMode.NONE.value
+    k: int = 0  # K asked for at admission
+    steps: int = 0  # verification steps (target forward passes) the request took part in
+    drafted: int = 0  # draft tokens verified (after per-request K trimming)
+    accepted: int = 0  # draft tokens accepted
+    # accepted_per_position[i] = steps in which draft position i (0-based) was accepted
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Output tokens per step: accepted / steps + 1 (1.0 with no steps)."""
+        return 1.0 + (self.accepted / self.steps if self.steps else 0.0)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["acceptance_length"] = round(self.acceptance_length, 4)
+        d["acceptance_rate"] = round(self.acceptance_rate, 4)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpecStats":
+        return cls(
+            mode=str(d.get("mode", SpecMode.NONE.value)),
+            k=int(d.get("k", 0)),
+            steps=int(d.get("steps", 0)),
+            drafted=int(d.get("drafted", 0)),
+            accepted=int(d.get("accepted", 0)),
+            accepted_per_position=[int(x) for x in d.get("accepted_per_position", [])],
+        )

@@ -1,0 +1,227 @@
+"""Engine deployment: one vLLM AsyncLLM per replica of a pool, streaming tokens with speculative stats.
+
+The engine knows nothing about routing: it serves whatever K (0..K_max) each request carries,
+inside one engine, through `cluster.vllm_scheduler.PerRequestKScheduler`. It is a plain class
+(`EngineServer`); `deployments/app.py` turns it into a Ray Serve deployment.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional
+
+from cluster.config import PoolConfig
+from cluster.speculation import EXTRA_ARGS_K, SpecMode, SpecStats
+from cluster.vllm_scheduler import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS_PATH
+
+log = logging.getLogger("specserve.engine")
+
+
+@dataclass
+class EngineRequest:
+    """One generation request as the router hands it to an engine replica."""
+
+    request_id: str
+    mode: str  # SpecMode value actually used (none when k == 0)
+    k: int  # per-request speculation length, 0..pool.max_k
+    prompt: Optional[str] = None  # raw prompt, used as is
+    messages: Optional[list[dict[str, str]]] = None  # chat messages, templated by the engine
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: Optional[int] = None  # top-N logprobs per output token (for lossless diagnostics)
+    ignore_eos: bool = False
+
+
+@dataclass
+class EngineChunk:
+    """A piece of a streamed response; the last one has finish_reason and stats set."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    stats: Optional[dict[str, Any]] = None  # SpecStats.to_dict() on the last chunk
+    logprobs: Optional[list[dict[int, float]]] = None  # per token: {token id: logprob}
+    replica: str = ""
+
+
+def speculative_config(pool: PoolConfig, drafter_path: Optional[str]) -> Optional[dict[str, Any]]:
+    """vLLM `speculative_config` for a pool (None for method none)."""
+    if pool.method == SpecMode.NONE:
+        return None
+    cfg: dict[str, Any] = {"method": pool.method.value, "num_speculative_tokens": pool.max_k}
+    if pool.method == SpecMode.NGRAM:
+        cfg.update(prompt_lookup_min=pool.ngram_min, prompt_lookup_max=pool.ngram_max)
+    if drafter_path:
+        cfg["model"] = drafter_path
+    return cfg
+
+
+def engine_kwargs(
+    pool: PoolConfig, model_path: str, drafter_path: Optional[str], served_name: str, dtype: str = "auto"
+) -> dict[str, Any]:
+    """AsyncEngineArgs for one replica of `pool`; the pool's engine_kwargs win over our defaults."""
+    kwargs: dict[str, Any] = dict(
+        model=model_path,
+        served_model_name=served_name,
+        dtype=dtype,
+        max_model_len=pool.max_model_len,
+        tensor_parallel_size=pool.tensor_parallel_size,
+        scheduler_cls=SCHEDULER_CLS_PATH,
+        # Per-request K is applied on the synchronous path (update_draft_token_ids).
+        async_scheduling=False,
+        per_request_spec_decode_metrics="summary",
+        speculative_config=speculative_config(pool, drafter_path),
+        additional_config={ADDITIONAL_CONFIG_KEY: {}},
+        enable_log_requests=False,
+    )
+    if pool.tensor_parallel_size > 1:
+        kwargs["distributed_executor_backend"] = "ray"  # workers go into the replica's placement group
+    kwargs.update(pool.engine_kwargs)
+    return kwargs
+
+
+def stats_from_output(mode: str, k: int, completion_tokens: int, metrics: Any) -> SpecStats:
+    """Turn vLLM's per-request RequestSpecDecodeMetrics (may be None) into our SpecStats.
+
+    histogram[j] = verification steps in which exactly j drafts were accepted, so
+    accepted = sum(j * histogram[j]) and draft position i was accepted in sum(histogram[j > i]) steps.
+    steps counts every decode step after the first token: completion_tokens - 1 - accepted.
+    """
+    stats = SpecStats(mode=mode, k=k)
+    if metrics is not None:
+        hist = list(metrics.histogram)
+        stats.accepted = sum(j * c for j, c in enumerate(hist))
+        stats.drafted = int(metrics.num_draft_tokens)
+        stats.accepted_per_position = [sum(hist[i + 1:]) for i in range(max(len(hist) - 1, 0))]
+        if not any(stats.accepted_per_position):
+            stats.accepted_per_position = []
+    stats.steps = max(completion_tokens - 1 - stats.accepted, 0)
+    return stats
+
+
+class EngineServer:
+    """One engine replica: owns an AsyncLLM, serves EngineRequests as streams of EngineChunks."""
+
+    def __init__(
+        self,
+        pool_name: str,
+        pool: PoolConfig,
+        model_path: str,
+        drafter_path: Optional[str],
+        served_name: str,
+        dtype: str = "auto",
+        engine: Any = None,
+    ):
+        self.pool_name = pool_name
+        self.pool = pool
+        self.served_name = served_name
+        self.replica = f"{pool_name}-{id(self):x}"
+        if engine is None:
+            engine = self._start_engine(engine_kwargs(pool, model_path, drafter_path, served_name, dtype))
+        self.engine = engine
+        self._tokenizer = None
+
+    def _start_engine(self, kwargs: dict[str, Any]):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        t0 = time.monotonic()
+        log.info("pool %s: starting vLLM engine %s", self.pool_name, kwargs)
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        log.info("pool %s: engine up in %.1f s", self.pool_name, time.monotonic() - t0)
+        return engine
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def _prompt(self, req: EngineRequest) -> str:
+        if req.messages is not None:
+            if self._tokenizer is None:
+                self._tokenizer = self.engine.get_tokenizer()
+            return self._tokenizer.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
+        return req.prompt or ""
+
+    def _sampling_params(self, req: EngineRequest):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            seed=req.seed,
+            stop=req.stop or None,
+            logprobs=req.logprobs,
+            ignore_eos=req.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args={EXTRA_ARGS_K: int(req.k)},
+        )
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """Stream the completion of `req`. Cancelling the consumer aborts the request in vLLM."""
+        if req.k > self.pool.max_k:
+            raise ValueError(f"k={req.k} exceeds pool {self.pool_name!r} max_k={self.pool.max_k}")
+        prompt = self._prompt(req)
+        params = self._sampling_params(req)
+        completion_tokens = 0
+        async for out in self.engine.generate(prompt, params, req.request_id):
+            c = out.outputs[0]
+            completion_tokens += len(c.token_ids)
+            chunk = EngineChunk(text=c.text, token_ids=list(c.token_ids), replica=self.replica)
+            if req.logprobs is not None and c.logprobs:
+                chunk.logprobs = [{tid: lp.logprob for tid, lp in pos.items()} for pos in c.logprobs]
+            if out.finished:
+                chunk.finish_reason = c.finish_reason or "stop"
+                chunk.prompt_tokens = len(out.prompt_token_ids or [])
+                chunk.completion_tokens = completion_tokens
+                metrics = getattr(c, "spec_decode_metrics", None)
+                chunk.stats = stats_from_output(req.mode, req.k, completion_tokens, metrics).to_dict()
+            yield chunk
+
+    async def load(self) -> dict[str, Any]:
+        """Live load of this replica (cheap, non-blocking)."""
+        return {
+            "pool": self.pool_name,
+            "replica": self.replica,
+            "unfinished": self.engine.get_num_unfinished_requests(),
+            "max_k": self.pool.max_k,
+        }
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None and hasattr(engine, "shutdown"):
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001 - best effort at interpreter exit
+                pass
+
+
+async def collect(stream: AsyncIterator[EngineChunk]) -> EngineChunk:
+    """Drain a stream into one chunk (text and tokens joined; last chunk's metadata)."""
+    texts: list[str] = []
+    ids: list[int] = []
+    logprobs: list[dict[int, float]] = []
+    last: Optional[EngineChunk] = None
+    async for chunk in stream:
+        texts.append(chunk.text)
+        ids.extend(chunk.token_ids)
+        if chunk.logprobs:
+            logprobs.extend(chunk.logprobs)
+        last = chunk
+    if last is None:
+        raise RuntimeError("engine stream ended without output")
+    return EngineChunk(
+        text="".join(texts), token_ids=ids, finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
+        completion_tokens=last.completion_tokens, stats=last.stats, logprobs=logprobs or None, replica=last.replica,
+    )
+
+

@@ -87,3 +87,19 @@ class SpecStats:
             accepted=int(d.get("accepted", 0)),
             accepted_per_position=[int(x) for x in d.get("accepted_per_position", [])],
         )
+
+
+# Workload classes the router tells apart (cluster/classifier.py assigns them; a request may name one).
+WORKLOAD_CLASSES = (
+    "chat",
+    "code",
+    "math",
+    "summarization",
+    "rag",
+    "translation",
+    "qa",
+    "structured",
+    "creative",
+    "reasoning",
+    "extraction",
+)

@@ -1,0 +1,217 @@
+"""The API's data at the edge: one validated request type for gRPC and HTTP, and typed errors.
+
+Both front doors (gRPC messages, OpenAI-style JSON) are converted into `GenerateRequest`, which
+validates every field; a bad field raises `ApiError(INVALID_ARGUMENT)` whose message names it.
+`ApiError` carries both the gRPC status and the HTTP code, so each door maps errors one way.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import secrets
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from cluster.speculation import WORKLOAD_CLASSES, SpecMode
+
+MAX_PROMPT_CHARS = 256 * 1024  # larger prompts are refused before tokenization
+MAX_MESSAGES = 256
+MAX_STOP = 8
+MAX_STOP_CHARS = 128
+MAX_TOKENS_LIMIT = 32768
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+class ErrorCode(enum.Enum):
+    """(gRPC status name, HTTP status, OpenAI error type)."""
+
+    INVALID_ARGUMENT = ("INVALID_ARGUMENT", 400, "invalid_request_error")
+    UNAUTHENTICATED = ("UNAUTHENTICATED", 401, "authentication_error")
+    NOT_FOUND = ("NOT_FOUND", 404, "not_found_error")
+    RESOURCE_EXHAUSTED = ("RESOURCE_EXHAUSTED", 429, "rate_limit_error")
+    CANCELLED = ("CANCELLED", 499, "cancelled")
+    INTERNAL = ("INTERNAL", 500, "internal_error")
+    UNAVAILABLE = ("UNAVAILABLE", 503, "service_unavailable")
+    DEADLINE_EXCEEDED = ("DEADLINE_EXCEEDED", 504, "timeout")
+
+    @property
+    def grpc_name(self) -> str:
+        return self.value[0]
+
+    @property
+    def http_status(self) -> int:
+        return self.value[1]
+
+    @property
+    def openai_type(self) -> str:
+        return self.value[2]
+
+
+class ApiError(Exception):
+    def __init__(self, code: ErrorCode, message: str, field: Optional[str] = None, retry_after_s: Optional[float] = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.field = field
+        self.retry_after_s = retry_after_s
+
+    def to_openai(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.code.openai_type,
+                "param": self.field,
+                "code": self.code.grpc_name.lower(),
+            }
+        }
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
+class SpeculativeOverride(_Strict):
+    mode: str = Field(description="none | ngram | draft_model | eagle | eagle3 | mtp | suffix")
+    k: Optional[int] = Field(None, ge=0, le=16, description="K for this request (0..pool max_k)")
+
+    @field_validator("mode")
+    @classmethod
+    def _mode(cls, v: str) -> str:
+        return SpecMode.parse(v).value
+
+
+class GenerateRequest(_Strict):
+    model: Optional[str] = Field(None, max_length=256)
+    prompt: Optional[str] = Field(None, max_length=MAX_PROMPT_CHARS)
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int = Field(128, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float = Field(0.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**63)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP)
+    logprobs: Optional[int] = Field(None, ge=0, le=5)
+    workload_class: Optional[str] = None
+    speculative: Optional[SpeculativeOverride] = None
+    request_id: Optional[str] = None
+    stream: bool = False
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: list[str]) -> list[str]:
+        for s in v:
+            if not s or len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"each stop string must have 1..{MAX_STOP_CHARS} characters")
+        return v
+
+    @field_validator("workload_class")
+    @classmethod
+    def _workload(cls, v: Optional[str]) -> Optional[str]:
+        if v in (None, ""):
+            return None
+        if v not in WORKLOAD_CLASSES:
+            raise ValueError(f"unknown workload class {v!r}; allowed: {', '.join(WORKLOAD_CLASSES)}")
+        return v
+
+    @field_validator("request_id")
+    @classmethod
+    def _rid(cls, v: Optional[str]) -> Optional[str]:
+        if v in (None, ""):
+            return None
+        if not _REQUEST_ID.match(v):
+            raise ValueError("request_id must be 1..128 characters of [A-Za-z0-9._:-]")
+        return v
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "GenerateRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of `prompt` and `messages` must be given")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("`prompt` must not be empty")
+        return self
+
+    def ensure_request_id(self) -> str:
+        if not self.request_id:
+            self.request_id = "req-" + secrets.token_hex(12)  # unguessable
+        return self.request_id
+
+
+def validation_error(e: ValidationError) -> ApiError:
+    """First pydantic error -> INVALID_ARGUMENT naming the field (all errors listed in the message)."""
+    errs = e.errors()
+    parts = []
+    for err in errs[:5]:
+        loc = ".".join(str(x) for x in err["loc"]) or "request"
+        parts.append(f"{loc}: {err['msg']}")
+    first = ".".join(str(x) for x in errs[0]["loc"]) if errs and errs[0]["loc"] else None
+    return ApiError(ErrorCode.INVALID_ARGUMENT, "; ".join(parts) or "invalid request", field=first)
+
+
+def parse_request(data: Any) -> GenerateRequest:
+    if not isinstance(data, dict):
+        raise ApiError(ErrorCode.INVALID_ARGUMENT, "request body must be a JSON object", field="body")
+    try:
+        return GenerateRequest.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+# -- OpenAI-compatible HTTP bodies ----------------------------------------------------------------
+
+# OpenAI fields we accept and ignore (they do not change what we compute), so that stock clients work.
+_OPENAI_IGNORED = {"n", "user", "frequency_penalty", "presence_penalty", "logit_bias", "stream_options",
+                   "response_format", "tools", "tool_choice", "parallel_tool_calls", "metadata", "store",
+                   "service_tier", "top_logprobs", "echo", "best_of", "suffix"}
+_SPECSERVE_EXT = "specserve"  # request: {"workload_class", "speculative": {"mode", "k"}, "request_id"}
+
+
+def from_openai(body: Any, chat: bool) -> GenerateRequest:
+    """OpenAI completions / chat.completions JSON -> GenerateRequest (extension fields under 'specserve')."""
+    if not isinstance(body, dict):
+        raise ApiError(ErrorCode.INVALID_ARGUMENT, "request body must be a JSON object", field="body")
+    body = dict(body)
+    n = body.get("n", 1)
+    if n not in (1, None):
+        raise ApiError(ErrorCode.INVALID_ARGUMENT, "n: only n=1 is supported", field="n")
+    for key in _OPENAI_IGNORED:
+        body.pop(key, None)
+    ext = body.pop(_SPECSERVE_EXT, None) or {}
+    if not isinstance(ext, dict):
+        raise ApiError(ErrorCode.INVALID_ARGUMENT, "specserve: must be an object", field="specserve")
+    if "max_completion_tokens" in body:
+        body.setdefault("max_tokens", body.pop("max_completion_tokens"))
+    if isinstance(body.get("stop"), str):
+        body["stop"] = [body["stop"]]
+    if body.get("stop") is None:
+        body.pop("stop", None)
+    lp = body.pop("logprobs", None)
+    if chat:
+        if "prompt" in body:
+            raise ApiError(ErrorCode.INVALID_ARGUMENT, "prompt: use `messages` on /v1/chat/completions", field="prompt")
+        if lp is True:
+            body["logprobs"] = 1
+    else:
+        if "messages" in body:
+            raise ApiError(ErrorCode.INVALID_ARGUMENT, "messages: use `prompt` on /v1/completions", field="messages")
+        if isinstance(body.get("prompt"), list):
+            if len(body["prompt"]) != 1 or not isinstance(body["prompt"][0], str):
+                raise ApiError(ErrorCode.INVALID_ARGUMENT, "prompt: a string or a list of one string", field="prompt")
+            body["prompt"] = body["prompt"][0]
+        if isinstance(lp, int) and not isinstance(lp, bool):
+            body["logprobs"] = lp
+    for key in ("workload_class", "speculative", "request_id"):
+        if key in ext:
+            body[key] = ext.pop(key)
+    if ext:
+        raise ApiError(ErrorCode.INVALID_ARGUMENT, f"specserve: unknown fields {sorted(ext)}", field="specserve")
+    for key in ("temperature", "top_p"):
+        if body.get(key) is None:
+            body.pop(key, None)
+    return parse_request(body)

@@ -1,0 +1,137 @@
+"""The router's single choice function: which pool, which speculative mode and which K a request gets.
+
+`route` is pure: it takes the validated request's wishes, the pools of the requested model (with
+their live load) and the router config, and returns a `Decision` or raises `ApiError`. An explicit
+override in the request wins (validated against the pools); otherwise the configured default mode,
+or, with `default_mode: auto`, the adaptive policy (`cluster.policy.choose_auto`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from cluster.api import ApiError, ErrorCode
+from cluster.config import ClusterConfig, RouterConfig
+from cluster.speculation import SpecMode
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """What the router knows of one pool when it decides."""
+
+    name: str
+    model: str
+    method: SpecMode
+    max_k: int
+    replicas: int = 1
+    running: float = 0.0  # requests in flight over all replicas (live, sampled)
+    waiting: float = 0.0  # requests queued in the engines
+    max_ongoing_requests: int = 64  # per replica
+
+    @property
+    def modes(self) -> tuple[SpecMode, ...]:
+        return (SpecMode.NONE,) if self.method == SpecMode.NONE else (self.method, SpecMode.NONE)
+
+    @property
+    def batch_per_replica(self) -> float:
+        return (self.running + self.waiting) / max(self.replicas, 1)
+
+
+@dataclass(frozen=True)
+class Decision:
+    pool: str
+    mode: SpecMode
+    k: int
+    decided_by: str  # "request" | "default" | "policy"
+    workload_class: str = "chat"
+    # Diagnostics of the choice (expected tokens/s per candidate etc.), for logs and stats.
+    detail: dict = field(default_factory=dict, compare=False)
+
+
+def pool_views(config: ClusterConfig) -> list[PoolView]:
+    """Static views of every pool (no load) from the config."""
+    return [
+        PoolView(
+            name=name, model=p.model, method=p.method, max_k=p.max_k,
+            replicas=p.autoscaling.min_replicas if p.autoscaling else p.replicas,
+            max_ongoing_requests=p.max_ongoing_requests,
+        )
+        for name, p in config.pools.items()
+    ]
+
+
+def resolve_model(requested: Optional[str], served: list[str]) -> str:
+    if not requested:
+        if len(served) == 1:
+            return served[0]
+        raise ApiError(ErrorCode.INVALID_ARGUMENT, f"model: required; served models: {served}", field="model")
+    if requested not in served:
+        raise ApiError(ErrorCode.NOT_FOUND, f"model: {requested!r} is not served; served models: {served}", field="model")
+    return requested
+
+
+def _least_loaded(pools: list[PoolView]) -> PoolView:
+    return min(pools, key=lambda p: (p.batch_per_replica, p.name))
+
+
+def _pools_for_mode(pools: list[PoolView], mode: SpecMode) -> list[PoolView]:
+    """Pools that serve `mode`; for plain decoding prefer pools without a proposer (no drafting cost)."""
+    if mode == SpecMode.NONE:
+        plain = [p for p in pools if p.method == SpecMode.NONE]
+        return plain or list(pools)
+    return [p for p in pools if p.method == mode]
+
+
+def route(
+    pools: list[PoolView],
+    router: RouterConfig,
+    workload_class: str,
+    mode_override: Optional[str] = None,
+    k_override: Optional[int] = None,
+    tuning=None,
+) -> Decision:
+    """Choose pool, mode and K for one request among `pools` (all of the request's model)."""
+    if not pools:
+        raise ApiError(ErrorCode.UNAVAILABLE, "no engine pool serves this model")
+    if mode_override is not None:
+        mode = SpecMode.parse(mode_override)
+        candidates = _pools_for_mode(pools, mode)
+        if not candidates:
+            served = sorted({m.value for p in pools for m in p.modes})
+            raise ApiError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"speculative.mode: {mode.value!r} is not served for this model; served modes: {served}",
+                field="speculative.mode",
+            )
+        pool = _least_loaded(candidates)
+        if mode == SpecMode.NONE:
+            k = 0
+            if k_override not in (None, 0):
+                raise ApiError(ErrorCode.INVALID_ARGUMENT, "speculative.k: must be 0 for mode 'none'", field="speculative.k")
+        elif k_override is None:
+            k = min(router.default_k.get(mode.value, 1), pool.max_k)
+        else:
+            max_k = max(p.max_k for p in candidates)
+            if k_override > max_k:
+                raise ApiError(
+                    ErrorCode.INVALID_ARGUMENT,
+                    f"speculative.k: {k_override} exceeds the largest K ({max_k}) of the pools serving {mode.value!r}",
+                    field="speculative.k",
+                )
+            pool = _least_loaded([p for p in candidates if p.max_k >= k_override])
+            k = k_override
+        if k == 0:
+            mode = SpecMode.NONE
+        return Decision(pool=pool.name, mode=mode, k=k, decided_by="request", workload_class=workload_class)
+
+    if router.default_mode != "auto":
+        mode = SpecMode.parse(router.default_mode)
+        pool = _least_loaded(_pools_for_mode(pools, mode) or pools)
+        k = 0 if mode == SpecMode.NONE else min(router.default_k.get(mode.value, 1), pool.max_k)
+        return Decision(pool=pool.name, mode=mode if k else SpecMode.NONE, k=k, decided_by="default",
+                        workload_class=workload_class)
+
+    from cluster.policy import choose_auto
+
+    return choose_auto(pools, router, workload_class, tuning)

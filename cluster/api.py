@@ -168,7 +168,7 @@ def parse_request(data: Any) -> GenerateRequest:
 # OpenAI fields we accept and ignore (they do not change what we compute), so that stock clients work.
 _OPENAI_IGNORED = {"n", "user", "frequency_penalty", "presence_penalty", "logit_bias", "stream_options",
                    "response_format", "tools", "tool_choice", "parallel_tool_calls", "metadata", "store",
-                   "service_tier", "top_logprobs", "echo", "best_of", "suffix"}
+                   "service_tier", "echo", "best_of", "suffix"}
 _SPECSERVE_EXT = "specserve"  # request: {"workload_class", "speculative": {"mode", "k"}, "request_id"}
 
 
@@ -192,11 +192,12 @@ def from_openai(body: Any, chat: bool) -> GenerateRequest:
     if body.get("stop") is None:
         body.pop("stop", None)
     lp = body.pop("logprobs", None)
+    top_lp = body.pop("top_logprobs", None)
     if chat:
         if "prompt" in body:
             raise ApiError(ErrorCode.INVALID_ARGUMENT, "prompt: use `messages` on /v1/chat/completions", field="prompt")
         if lp is True:
-            body["logprobs"] = 1
+            body["logprobs"] = top_lp if top_lp is not None else 1
     else:
         if "messages" in body:
             raise ApiError(ErrorCode.INVALID_ARGUMENT, "messages: use `prompt` on /v1/completions", field="messages")

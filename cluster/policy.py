@@ -1,21 +1,454 @@
-"""Adaptive choice of speculative mode and K (first version: a static rule; see issue 4)."""
+"""Adaptive choice of speculative mode and K: pure functions over plain data (no I/O, no clock).
+
+Contract: `choose_auto(pools, router, workload_class, tuning, rng)` returns the `Decision` that
+maximises the expected goodput of one request of `workload_class` at each pool's current load,
+from the tuned state `tuning` (a `TuningView`, or None for priors only); `k_cap_table` derives a
+pool's per-step `k_cap_by_batch` table from the same state. Words are those of
+`cluster.speculation`; in addition:
+
+- **alpha** (α): the chance that a draft token is accepted given the ones before it were
+  (a geometric model). Expected output tokens per step with K drafts:
+  E(α, K) = 1 + α + ... + α^K = (1 - α^(K+1)) / (1 - α).
+- **rejected steps**: steps that ended on a rejected draft, or drafted nothing (a step that
+  speculated and bought nothing). α's estimate is accepted / (accepted + rejected_steps), the
+  maximum-likelihood estimate under the geometric model truncated at the drafted length
+  (`cluster.tuning.increments_from_stats` counts the trials).
+- **cost per K** (c): extra time of one step per draft token, relative to a plain step at the
+  same load: step time(K) / step time(0) = 1 + c·K, where c = verify cost (grows with batch size:
+  verifying K more tokens per request is nearly free at batch 1 and not at batch 16) + draft cost
+  (the proposer's own work). Measured as decode seconds per step of a mode against plain decoding
+  in the same load bucket, blended with priors.
+- **score** of (pool, K): expected output tokens per unit of plain-step time at batch 1,
+  E(α, K) / (step_rel(batch) · (1 + c·K)) — proportional to the request's tokens per second.
+- **load bucket**: the batch the request joins (`PoolView.batch_per_replica + 1`) bucketed as
+  1, 2-3, 4-7, 8-15, 16+.
+
+Cold start uses priors (n-gram α per class after Spec-Bench; at batch 16 speculation costs
+throughput, 63.8 vs 70.1 tok/s here) and converges from live traffic as counts outweigh the
+prior's pseudo-counts. Exploration: with probability ε (shrinking with data) a uniformly chosen
+pool gets a Thompson-sampled K (α drawn from its Beta posterior); counts are capped so the
+posterior never freezes. Hysteresis: the incumbent K of a (mode, class, bucket) is kept unless
+another K beats it by `margin`.
+"""
 
 from __future__ import annotations
 
+import bisect
+import random
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
 from cluster.config import RouterConfig
-from cluster.speculation import SpecMode
+from cluster.speculation import WORKLOAD_CLASSES, SpecMode
+
+MAX_K = 16  # the largest K any pool may have (PoolConfig.max_k bound)
+
+# (min batch size, bucket name); a bucket holds batch sizes from its minimum up to the next one's.
+LOAD_BUCKETS: tuple[tuple[int, str], ...] = ((1, "1"), (2, "2-3"), (4, "4-7"), (8, "8-15"), (16, "16+"))
+BUCKET_NAMES = tuple(name for _, name in LOAD_BUCKETS)
+BUCKET_BATCH = {"1": 1.0, "2-3": 2.5, "4-7": 5.5, "8-15": 11.5, "16+": 24.0}  # representative batch
+
+# Prior α (Spec-Bench-like): prompt lookup is strong where the output copies the input
+# (summarization, RAG, code edits, extraction) and near useless for translation / creative text.
+PRIOR_ALPHA_NGRAM = {
+    "chat": 0.20, "code": 0.50, "math": 0.30, "summarization": 0.60, "rag": 0.55, "translation": 0.05,
+    "qa": 0.30, "structured": 0.45, "creative": 0.05, "reasoning": 0.30, "extraction": 0.60,
+}
+PRIOR_ALPHA_BY_MODE = {  # learned drafters: roughly class independent
+    SpecMode.DRAFT_MODEL.value: 0.55, SpecMode.EAGLE.value: 0.65, SpecMode.EAGLE3.value: 0.70,
+    SpecMode.MTP.value: 0.70,
+}
+# Draft cost per draft token relative to one plain target step (proposer work only).
+PRIOR_DRAFT_COST = {
+    SpecMode.NONE.value: 0.0, SpecMode.NGRAM.value: 0.01, SpecMode.SUFFIX.value: 0.02,
+    SpecMode.DRAFT_MODEL.value: 0.15, SpecMode.EAGLE.value: 0.05, SpecMode.EAGLE3.value: 0.06,
+    SpecMode.MTP.value: 0.05,
+}
 
 
-def choose_auto(pools, router: RouterConfig, workload_class: str, tuning=None):
-    """Static rule until the tuned policy lands: n-gram (or the first speculative pool) at its
-    default K while the pool is lightly loaded, plain decoding otherwise."""
+@dataclass(frozen=True)
+class PolicyParams:
+    """Knobs of the policy; the defaults are the priors for the CPU box (see module doc)."""
+
+    prior_trials: float = 100.0  # pseudo-count of the α prior (accepted + rejected steps)
+    prior_cost_steps: float = 2000.0  # pseudo-count of the cost prior (steps)
+    min_cost_steps: int = 200  # steps a cell needs before its step time is used at all
+    max_effective_trials: float = 5000.0  # counts are scaled down to this, so the posterior never freezes
+    # verify cost per draft token = verify_cost_b1 + verify_cost_per_batch * (batch - 1), at most 1.
+    # Calibrated so that n-gram K=3 at α≈0.3 loses ~9% at batch 16 (63.8 vs 70.1 tok/s).
+    verify_cost_b1: float = 0.03
+    verify_cost_per_batch: float = 0.0104
+    step_time_per_batch: float = 0.08  # plain step time grows ~2.2x from batch 1 to 16 on this CPU
+    margin: float = 0.05  # a new K must beat the incumbent's score by this fraction
+    tie_tol: float = 0.01  # scores within this fraction count as equal; the smaller K wins
+    eps_max: float = 0.20  # exploration probability with no data
+    eps_min: float = 0.02  # ... and with plenty
+    eps_scale_trials: float = 2000.0  # ε halves (towards eps_min) after this many trials
+
+
+DEFAULT_PARAMS = PolicyParams()
+
+
+@dataclass(frozen=True)
+class CellStats:
+    """Sums over the requests of one tuning cell (model, mode, workload class, load bucket)."""
+
+    requests: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rejected_steps: int = 0  # steps that ended on a rejected draft or drafted nothing
+    k_steps: int = 0  # sum of K * steps (mean K = k_steps / steps)
+    tokens: int = 0  # output tokens
+    decode_s: float = 0.0  # request time after the first token
+    accepted_at: tuple[int, ...] = ()  # [i] = steps in which draft position i was accepted
+    exposed_at: tuple[int, ...] = ()  # [i] = steps in which draft position i was drafted
+    updated_unix_s: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        return 1.0 + (self.accepted / self.steps if self.steps else 0.0)
+
+    @property
+    def alpha(self) -> Optional[float]:
+        trials = self.accepted + self.rejected_steps
+        return self.accepted / trials if trials else None
+
+    @property
+    def tokens_per_s(self) -> Optional[float]:
+        return self.tokens / self.decode_s if self.decode_s > 0 else None
+
+    @property
+    def step_s(self) -> Optional[float]:
+        return self.decode_s / self.steps if self.steps else None
+
+    @property
+    def mean_k(self) -> float:
+        return self.k_steps / self.steps if self.steps else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[Optional[float]]:
+        """[i] = share of the steps that drafted position i in which drafts 0..i were all accepted."""
+        return [a / e if e else None for a, e in zip(self.accepted_at, self.exposed_at)]
+
+    def __add__(self, other: "CellStats") -> "CellStats":
+        n = max(len(self.accepted_at), len(other.accepted_at))
+        pad = lambda t: tuple(t) + (0,) * (n - len(t))  # noqa: E731
+        return CellStats(
+            requests=self.requests + other.requests, steps=self.steps + other.steps,
+            drafted=self.drafted + other.drafted, accepted=self.accepted + other.accepted,
+            rejected_steps=self.rejected_steps + other.rejected_steps, k_steps=self.k_steps + other.k_steps,
+            tokens=self.tokens + other.tokens, decode_s=self.decode_s + other.decode_s,
+            accepted_at=tuple(a + b for a, b in zip(pad(self.accepted_at), pad(other.accepted_at))),
+            exposed_at=tuple(a + b for a, b in zip(pad(self.exposed_at), pad(other.exposed_at))),
+            updated_unix_s=max(self.updated_unix_s, other.updated_unix_s),
+        )
+
+
+CellKey = tuple[str, str, str]  # (mode, workload class, load bucket)
+_ZERO = CellStats()
+
+
+@dataclass(frozen=True)
+class TuningView:
+    """What the policy knows of one model: validated cells and incumbent K per cell.
+
+    `rng` is the router replica's seeded exploration RNG, carried with the view so that `route`
+    needs no extra argument; None disables exploration (pure exploitation, deterministic)."""
+
+    model: str
+    cells: Mapping[CellKey, CellStats] = field(default_factory=dict)
+    chosen_k: Mapping[CellKey, int] = field(default_factory=dict)
+    fetched_unix_s: float = 0.0
+    rng: Optional[random.Random] = field(default=None, compare=False)
+    # (mode, bucket) -> sum over classes; computed once from `cells` (kept by dataclasses.replace).
+    by_mode_bucket: Optional[Mapping[tuple[str, str], CellStats]] = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.by_mode_bucket is None:
+            sums: dict[tuple[str, str], CellStats] = {}
+            for (mode, _, bucket), cell in self.cells.items():
+                sums[(mode, bucket)] = sums.get((mode, bucket), CellStats()) + cell
+            object.__setattr__(self, "by_mode_bucket", sums)
+
+    def cell(self, mode: str, workload_class: str, bucket: str) -> CellStats:
+        return self.cells.get((mode, workload_class, bucket), _ZERO)
+
+    def merged(self, mode: str, bucket: str) -> CellStats:
+        """The cells of `mode` at `bucket` summed over workload classes."""
+        return self.by_mode_bucket.get((mode, bucket), _ZERO)
+
+
+# -- the model ------------------------------------------------------------------------------------
+
+def load_bucket(batch_size: float) -> str:
+    """Bucket name of a batch size (sizes below 1 count as 1).
+
+    >>> [load_bucket(b) for b in (0, 1, 3, 4, 15.5, 16, 500)]
+    ['1', '1', '2-3', '4-7', '8-15', '16+', '16+']
+    """
+    starts = [start for start, _ in LOAD_BUCKETS]
+    return LOAD_BUCKETS[max(bisect.bisect_right(starts, batch_size) - 1, 0)][1]
+
+
+def expected_tokens_per_step(alpha: float, k: int) -> float:
+    """E(α, K) = (1 - α^(K+1)) / (1 - α): accepted drafts + the bonus token, per step."""
+    alpha = min(max(alpha, 0.0), 1.0)
+    if k <= 0:
+        return 1.0
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def prior_alpha(mode: str, workload_class: str) -> float:
+    if mode in (SpecMode.NGRAM.value, SpecMode.SUFFIX.value):
+        a = PRIOR_ALPHA_NGRAM.get(workload_class, 0.2)
+        return min(a + 0.05, 0.95) if mode == SpecMode.SUFFIX.value else a
+    return PRIOR_ALPHA_BY_MODE.get(mode, 0.0)
+
+
+def prior_cost_per_k(mode: str, batch: float, params: PolicyParams = DEFAULT_PARAMS) -> float:
+    """Prior c(mode, batch) = verify cost per draft token at this batch + the proposer's draft cost."""
+    verify = min(params.verify_cost_b1 + params.verify_cost_per_batch * max(batch - 1.0, 0.0), 1.0)
+    return verify + PRIOR_DRAFT_COST.get(mode, 0.1)
+
+
+def _blend(measured: Optional[float], n: float, prior: float, n_prior: float) -> float:
+    return prior if measured is None or n <= 0 else (n * measured + n_prior * prior) / (n + n_prior)
+
+
+def alpha_posterior(cell: CellStats, alpha_prior: float, params: PolicyParams = DEFAULT_PARAMS) -> tuple[float, float]:
+    """Beta(a, b) posterior of α: prior pseudo-counts plus accepted / rejected steps, scaled down
+    to at most `max_effective_trials` so that old traffic does not freeze the estimate."""
+    s, f = float(cell.accepted), float(cell.rejected_steps)
+    if s + f > params.max_effective_trials:
+        scale = params.max_effective_trials / (s + f)
+        s, f = s * scale, f * scale
+    a0 = min(max(alpha_prior, 0.001), 0.999)
+    return params.prior_trials * a0 + s, params.prior_trials * (1.0 - a0) + f
+
+
+def cost_per_k(view: Optional[TuningView], mode: str, bucket: str, params: PolicyParams = DEFAULT_PARAMS) -> float:
+    """c for `mode` at `bucket`: measured step time against plain decoding in the same bucket
+    (all classes pooled), blended with the prior by step counts."""
+    prior = prior_cost_per_k(mode, BUCKET_BATCH[bucket], params)
+    if view is None or mode == SpecMode.NONE.value:
+        return prior if mode != SpecMode.NONE.value else 0.0
+    spec, plain = view.merged(mode, bucket), view.merged(SpecMode.NONE.value, bucket)
+    n = min(spec.steps, plain.steps)
+    if n < params.min_cost_steps or spec.mean_k < 0.5 or not plain.step_s:
+        return prior
+    measured = min(max((spec.step_s / plain.step_s - 1.0) / spec.mean_k, 0.0), 2.0)
+    return _blend(measured, n, prior, params.prior_cost_steps)
+
+
+def step_time_rel(view: Optional[TuningView], bucket: str, params: PolicyParams = DEFAULT_PARAMS) -> float:
+    """Plain step time at `bucket` relative to batch 1 (measured when both buckets have data)."""
+    prior = 1.0 + params.step_time_per_batch * (BUCKET_BATCH[bucket] - 1.0)
+    if view is None or bucket == "1":
+        return prior
+    here, one = view.merged(SpecMode.NONE.value, bucket), view.merged(SpecMode.NONE.value, "1")
+    n = min(here.steps, one.steps)
+    if n < params.min_cost_steps or not here.step_s or not one.step_s:
+        return prior
+    return _blend(max(here.step_s / one.step_s, 0.1), n, prior, params.prior_cost_steps)
+
+
+def score(alpha: float, k: int, cost: float, step_rel: float = 1.0) -> float:
+    """Expected tokens per unit of batch-1 plain-step time: E(α, K) / (step_rel · (1 + c·K))."""
+    return expected_tokens_per_step(alpha, k) / (step_rel * (1.0 + max(cost, 0.0) * k))
+
+
+def best_k(scores: Mapping[int, float], tie_tol: float = DEFAULT_PARAMS.tie_tol) -> int:
+    """The smallest K whose score is within tie_tol of the best."""
+    top = max(scores.values())
+    return min(k for k, s in scores.items() if s >= top * (1.0 - tie_tol))
+
+
+def hysteresis_k(scores: Mapping[int, float], incumbent: Optional[int], params: PolicyParams = DEFAULT_PARAMS) -> int:
+    """Keep the incumbent K unless the best K beats it by more than `margin` (so K does not flap)."""
+    best = best_k(scores, params.tie_tol)
+    if incumbent is None or incumbent not in scores:
+        return best
+    return best if scores[best] > scores[incumbent] * (1.0 + params.margin) else incumbent
+
+
+def exploration_rate(trials: float, params: PolicyParams = DEFAULT_PARAMS) -> float:
+    """ε: eps_max with no data, halving its excess over eps_min every eps_scale_trials."""
+    excess = (params.eps_max - params.eps_min) * params.eps_scale_trials / (params.eps_scale_trials + max(trials, 0.0))
+    return params.eps_min + excess
+
+
+# -- the choice -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Candidate:
+    """One pool scored for one request."""
+
+    pool: object  # cluster.routing.PoolView
+    bucket: str
+    alpha: float  # posterior mean (0 for plain pools)
+    alpha_beta: tuple[float, float]
+    cost: float
+    step_rel: float
+    scores: Mapping[int, float]  # K -> score, K in 0..pool.max_k
+    k: int  # chosen K after hysteresis
+
+    @property
+    def mode(self) -> str:
+        return self.pool.method.value
+
+    @property
+    def speculative(self) -> bool:
+        return self.pool.method != SpecMode.NONE and self.pool.max_k > 0
+
+
+def score_pool(pool, workload_class: str, view: Optional[TuningView], params: PolicyParams = DEFAULT_PARAMS) -> Candidate:
+    """Score K = 0..max_k of `pool` for one request of `workload_class` at the pool's live load."""
+    bucket = load_bucket(pool.batch_per_replica + 1.0)
+    mode = pool.method.value
+    step_rel = step_time_rel(view, bucket, params)
+    max_k = min(max(int(pool.max_k), 0), MAX_K)
+    if pool.method == SpecMode.NONE or max_k == 0:
+        return Candidate(pool, bucket, 0.0, (0.0, 1.0), 0.0, step_rel, {0: score(0.0, 0, 0.0, step_rel)}, 0)
+    cell = view.cell(mode, workload_class, bucket) if view is not None else _ZERO
+    a, b = alpha_posterior(cell, prior_alpha(mode, workload_class), params)
+    alpha = a / (a + b)
+    cost = cost_per_k(view, mode, bucket, params)
+    scores = {k: score(alpha, k, cost, step_rel) for k in range(max_k + 1)}
+    incumbent = view.chosen_k.get((mode, workload_class, bucket)) if view is not None else None
+    return Candidate(pool, bucket, alpha, (a, b), cost, step_rel, scores, hysteresis_k(scores, incumbent, params))
+
+
+def _sampled_k(cand: Candidate, rng: random.Random, params: PolicyParams) -> int:
+    """Thompson sampling: K that is best for an α drawn from the candidate's posterior."""
+    if not cand.speculative:
+        return 0
+    alpha = rng.betavariate(*cand.alpha_beta)
+    return best_k({k: score(alpha, k, cand.cost, cand.step_rel) for k in cand.scores}, params.tie_tol)
+
+
+def _rank(c: Candidate) -> tuple:
+    # Best score first; at equal score plain decoding goes to a pool without a proposer, then the
+    # less loaded pool, then by name (deterministic).
+    return (-c.scores[c.k], c.k == 0 and c.speculative, c.pool.batch_per_replica, c.pool.name)
+
+
+def choose_auto(
+    pools,
+    router: RouterConfig,
+    workload_class: str,
+    tuning: Optional[TuningView] = None,
+    rng: Optional[random.Random] = None,
+    params: PolicyParams = DEFAULT_PARAMS,
+):
+    """Pool, mode and K that maximise the request's expected goodput (see module doc).
+
+    Exploits the posterior means with hysteresis; with probability ε (when an RNG is given, or
+    `tuning.rng`) explores a uniformly chosen pool with a Thompson-sampled K. K is always within
+    0..pool.max_k; K = 0 means mode none. `router` is accepted for the routing contract (its
+    default_k is not used: priors replace it)."""
     from cluster.routing import Decision
 
-    spec = [p for p in pools if p.method == SpecMode.NGRAM] or [p for p in pools if p.method != SpecMode.NONE]
-    if spec:
-        pool = min(spec, key=lambda p: (p.batch_per_replica, p.name))
-        if pool.batch_per_replica < 8:
-            k = min(router.default_k.get(pool.method.value, 1), pool.max_k)
-            return Decision(pool=pool.name, mode=pool.method, k=k, decided_by="policy", workload_class=workload_class)
-    pool = min(pools, key=lambda p: (p.method != SpecMode.NONE, p.batch_per_replica, p.name))
-    return Decision(pool=pool.name, mode=SpecMode.NONE, k=0, decided_by="policy", workload_class=workload_class)
+    del router
+    rng = rng if rng is not None else (tuning.rng if tuning is not None else None)
+    cands = sorted((score_pool(p, workload_class, tuning, params) for p in pools), key=_rank)
+    chosen, k, explore = cands[0], cands[0].k, False
+    if rng is not None:
+        trials = sum(sum(c.alpha_beta) - params.prior_trials for c in cands if c.speculative)
+        if rng.random() < exploration_rate(trials, params):
+            chosen = cands[rng.randrange(len(cands))]
+            k, explore = _sampled_k(chosen, rng, params), True
+    k = min(k, chosen.pool.max_k)
+    detail = {
+        "load_bucket": chosen.bucket, "pool_mode": chosen.mode, "explore": explore,
+        "alpha": round(chosen.alpha, 4), "cost_per_k": round(chosen.cost, 4),
+        "expected_tokens_per_step": round(expected_tokens_per_step(chosen.alpha, k), 4),
+        "score": round(chosen.scores[k], 4),
+        "scores": {c.pool.name: round(c.scores[c.k], 4) for c in cands},
+    }
+    mode = chosen.pool.method if k > 0 else SpecMode.NONE
+    return Decision(pool=chosen.pool.name, mode=mode, k=k, decided_by="policy",
+                    workload_class=workload_class, detail=detail)
+
+
+# -- the per-step cap table -----------------------------------------------------------------------
+
+def class_weights(view: Optional[TuningView], mode: str) -> dict[str, float]:
+    """Traffic share of each workload class for a pool of `mode` (steps over all buckets, plain
+    steps included); uniform when there is no traffic yet."""
+    steps = {c: 0.0 for c in WORKLOAD_CLASSES}
+    if view is not None:
+        for (m, c, _), cell in view.cells.items():
+            if c in steps and m in (mode, SpecMode.NONE.value):
+                steps[c] += cell.steps
+    total = sum(steps.values())
+    if total <= 0:
+        return {c: 1.0 / len(WORKLOAD_CLASSES) for c in WORKLOAD_CLASSES}
+    return {c: s / total for c, s in steps.items() if s > 0}
+
+
+def k_cap_table(
+    mode: str, max_k: int, view: Optional[TuningView], params: PolicyParams = DEFAULT_PARAMS,
+) -> list[tuple[int, int]]:
+    """`k_cap_by_batch` for a pool: [(min_batch_size, k_cap), ...], the format the engine reads.
+
+    For each load bucket the cap maximises the traffic-weighted score of requests admitted at
+    batch 1 (each class at its own best K there) that now run at that bucket's batch: the cap that
+    a long request meeting a load spike should obey. Non-increasing with load; entries whose cap
+    equals the previous one are dropped."""
+    max_k = min(max(int(max_k), 0), MAX_K)
+    if mode == SpecMode.NONE.value or max_k == 0:
+        return [(1, 0)]
+    weights = class_weights(view, mode)
+
+    def class_alpha(c: str, bucket: str) -> float:
+        cell = view.cell(mode, c, bucket) if view is not None else _ZERO
+        a, b = alpha_posterior(cell, prior_alpha(mode, c), params)
+        return a / (a + b)
+
+    admitted = {}
+    for c in weights:
+        alpha, cost = class_alpha(c, "1"), cost_per_k(view, mode, "1", params)
+        admitted[c] = best_k({k: score(alpha, k, cost) for k in range(max_k + 1)}, params.tie_tol)
+    table: list[tuple[int, int]] = []
+    previous = max_k
+    for start, bucket in LOAD_BUCKETS:
+        cost = cost_per_k(view, mode, bucket, params)
+        alphas = {c: class_alpha(c, bucket) for c in weights}
+        totals = {
+            cap: sum(w * score(alphas[c], min(admitted[c], cap), cost) for c, w in weights.items())
+            for cap in range(previous + 1)
+        }
+        cap = best_k(totals, params.tie_tol)
+        if not table or cap != table[-1][1]:
+            table.append((start, cap))
+        previous = cap
+    return table
+
+
+# -- observability --------------------------------------------------------------------------------
+
+def tuning_rows(view: TuningView, params: PolicyParams = DEFAULT_PARAMS) -> list[dict]:
+    """One row per cell with data, for `specserve tuning` and GetTuning. The keys model, mode,
+    workload_class, load_bucket, chosen_k, acceptance_length, acceptance_per_position,
+    tokens_per_s and samples match `TuningEntry` and are never None; the rest are extras."""
+    order = {b: i for i, b in enumerate(BUCKET_NAMES)}
+    rows = []
+    for (mode, c, bucket), cell in sorted(view.cells.items(), key=lambda kv: (kv[0][0], kv[0][1], order.get(kv[0][2], 99))):
+        a, b = alpha_posterior(cell, prior_alpha(mode, c), params)
+        chosen = view.chosen_k.get((mode, c, bucket))
+        rows.append({
+            "model": view.model, "mode": mode, "workload_class": c, "load_bucket": bucket,
+            "chosen_k": chosen if chosen is not None else 0, "chosen_k_set": chosen is not None,
+            "acceptance_length": round(cell.acceptance_length, 4),
+            "acceptance_per_position": [round(p, 4) for p in cell.per_position_acceptance if p is not None],
+            "tokens_per_s": round(cell.tokens_per_s or 0.0, 3), "samples": cell.requests,
+            "steps": cell.steps, "mean_k": round(cell.mean_k, 3),
+            "alpha_measured": None if cell.alpha is None else round(cell.alpha, 4),
+            "alpha_posterior": round(a / (a + b), 4) if mode != SpecMode.NONE.value else None,
+            "step_ms": None if cell.step_s is None else round(cell.step_s * 1e3, 3),
+            "cost_per_k": round(cost_per_k(view, mode, bucket, params), 4),
+        })
+    return rows

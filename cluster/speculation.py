@@ -56,11 +56,14 @@ class SpecStats:
 
     mode: str = SpecMode.NONE.value
     k: int = 0  # K asked for at admission
-    steps: int = 0  # verification steps (target forward passes) the request took part in
+    steps: int = 0  # decode steps (target forward passes) after the first token
+    spec_steps: int = 0  # of those, steps that verified at least one draft token
     drafted: int = 0  # draft tokens verified (after per-request K trimming)
-    accepted: int = 0  # draft tokens accepted
-    # accepted_per_position[i] = steps in which draft position i (0-based) was accepted
+    accepted: int = 0  # draft tokens accepted and delivered (a stop inside an accepted run cuts it)
+    # accepted_per_position[i] = steps in which draft position i (0-based) was accepted;
+    # drafted_per_position[i] = steps in which position i was drafted (its denominator).
     accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
 
     @property
     def acceptance_length(self) -> float:
@@ -83,9 +86,11 @@ class SpecStats:
             mode=str(d.get("mode", SpecMode.NONE.value)),
             k=int(d.get("k", 0)),
             steps=int(d.get("steps", 0)),
+            spec_steps=int(d.get("spec_steps", 0)),
             drafted=int(d.get("drafted", 0)),
             accepted=int(d.get("accepted", 0)),
             accepted_per_position=[int(x) for x in d.get("accepted_per_position", [])],
+            drafted_per_position=[int(x) for x in d.get("drafted_per_position", [])],
         )
 
 

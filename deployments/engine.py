@@ -76,7 +76,7 @@ def engine_kwargs(
         scheduler_cls=SCHEDULER_CLS_PATH,
         # Per-request K is applied on the synchronous path (update_draft_token_ids).
         async_scheduling=False,
-        per_request_spec_decode_metrics="summary",
+        per_request_spec_decode_metrics="detailed",  # per-step drafted counts -> per-position rates
         speculative_config=speculative_config(pool, drafter_path),
         additional_config={ADDITIONAL_CONFIG_KEY: {}},
         enable_log_requests=False,
@@ -91,18 +91,26 @@ def stats_from_output(mode: str, k: int, completion_tokens: int, metrics: Any) -
     """Turn vLLM's per-request RequestSpecDecodeMetrics (may be None) into our SpecStats.
 
     histogram[j] = verification steps in which exactly j drafts were accepted, so
-    accepted = sum(j * histogram[j]) and draft position i was accepted in sum(histogram[j > i]) steps.
-    steps counts every decode step after the first token: completion_tokens - 1 - accepted.
+    spec_steps = sum(histogram), accepted = sum(j * histogram[j]) and draft position i was accepted
+    in sum(histogram[j > i]) steps. The completion_tokens - 1 tokens after the first come from
+    `steps` decode steps, each giving accepted + 1 tokens; a stop (EOS, stop string, max_tokens)
+    inside an accepted run discards its tail, so delivered accepted tokens are capped at
+    completion_tokens - 1 - spec_steps (every spec step delivers at least its bonus token).
     """
     stats = SpecStats(mode=mode, k=k)
+    decode_tokens = max(completion_tokens - 1, 0)
     if metrics is not None:
         hist = list(metrics.histogram)
-        stats.accepted = sum(j * c for j, c in enumerate(hist))
+        stats.spec_steps = sum(hist)
+        raw_accepted = sum(j * c for j, c in enumerate(hist))
+        stats.accepted = max(0, min(raw_accepted, decode_tokens - stats.spec_steps))
         stats.drafted = int(metrics.num_draft_tokens)
-        stats.accepted_per_position = [sum(hist[i + 1:]) for i in range(max(len(hist) - 1, 0))]
-        if not any(stats.accepted_per_position):
-            stats.accepted_per_position = []
-    stats.steps = max(completion_tokens - 1 - stats.accepted, 0)
+        per_pos = [sum(hist[i + 1:]) for i in range(max(len(hist) - 1, 0))]
+        drafted_steps = list(getattr(metrics, "per_step_drafted", []) or [])
+        width = max([k, *drafted_steps]) if drafted_steps else k
+        stats.accepted_per_position = per_pos[:width]
+        stats.drafted_per_position = [sum(1 for n in drafted_steps if n > i) for i in range(width)]
+    stats.steps = decode_tokens - stats.accepted
     return stats
 
 

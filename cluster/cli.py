@@ -1,0 +1,243 @@
+"""`specserve` command line: up (start a cluster), generate (a client), status, and the tools.
+
+Each subcommand is a small function; the work is done by the modules it calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+DEFAULT_CONFIG = str(Path(__file__).parent / "configs" / "local-cpu.yaml")
+DEFAULT_URL = os.environ.get("SPECSERVE_URL", "http://127.0.0.1:8000")
+
+
+# -- up -------------------------------------------------------------------------------------------
+
+def start_cluster(config_path: str, wait_s: float = 900.0):
+    """Start Redis (if local), Ray and the Serve application; return (config, redis handle)."""
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions, HTTPOptions
+
+    from cluster.config import load_config
+    from cluster.models import prepare_all
+    from cluster.placement import GRPC_SERVICER_FUNCTIONS
+    from deployments.app import build_app
+
+    config = load_config(config_path)  # 1. fail fast on a bad config
+    print(f"[specserve] config {config_path}: {len(config.pools)} pools, models {config.served_models()}")
+    t0 = time.monotonic()
+    paths = prepare_all(config)  # 2. model files, once (cached)
+    print(f"[specserve] models ready in {time.monotonic() - t0:.1f} s: {paths}")
+    redis_handle = _start_redis(config)  # 3. tuning state
+    # 4. Ray: join a cluster or start a local one
+    ray.init(address=config.ray.address, num_cpus=config.ray.num_cpus if not config.ray.address else None,
+             include_dashboard=False, logging_level=logging.WARNING,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
+    grpc = None
+    if config.api.grpc_port:
+        grpc = gRPCOptions(port=config.api.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS)
+    serve.start(http_options=HTTPOptions(host=config.api.host, port=config.api.http_port), grpc_options=grpc)
+    print("[specserve] deploying (engine start-up takes about a minute per engine on a small CPU)...")
+    t0 = time.monotonic()
+    serve.run(build_app({"config_path": config_path}), name=config.name, route_prefix="/", blocking=False)
+    _wait_ready(config, wait_s)
+    print(f"[specserve] serving in {time.monotonic() - t0:.0f} s: HTTP http://{config.api.host}:{config.api.http_port}"
+          + (f"  gRPC {config.api.host}:{config.api.grpc_port}" if config.api.grpc_port else ""))
+    return config, redis_handle
+
+
+def _start_redis(config):
+    if not config.redis.start_local:
+        return None
+    try:
+        from cluster.redis_server import ensure_local_redis
+    except ImportError:
+        return None
+    handle = ensure_local_redis(config.redis.url)
+    print(f"[specserve] redis at {config.redis.url}")
+    return handle
+
+
+def _wait_ready(config, wait_s: float) -> None:
+    from ray import serve
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(config.name)
+        state = getattr(app, "status", None)
+        if state == "RUNNING":
+            return
+        if state in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise RuntimeError(f"application {config.name} failed: {app.message}")
+        time.sleep(2)
+    raise TimeoutError(f"application {config.name} not running after {wait_s:.0f} s")
+
+
+def stop_cluster(redis_handle=None) -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+        if redis_handle is not None:
+            redis_handle.stop()
+
+
+def cmd_up(args) -> int:
+    from cluster.config import ConfigError
+
+    try:
+        _, redis_handle = start_cluster(args.config, wait_s=args.wait_s)
+    except ConfigError as e:
+        print(f"specserve up: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs handlers of its own
+        signal.signal(sig, lambda *_: stop.set())
+    print("[specserve] press Ctrl-C to stop")
+    while not stop.wait(1.0):
+        pass
+    print("[specserve] stopping")
+    stop_cluster(redis_handle)
+    return 0
+
+
+# -- generate / status ----------------------------------------------------------------------------
+
+def cmd_generate(args) -> int:
+    from cluster.client import ClientError, SpecServeClient
+
+    client = SpecServeClient(args.url)
+    spec = None
+    if args.mode:
+        spec = {"mode": args.mode, **({"k": args.k} if args.k is not None else {})}
+    kwargs = dict(model=args.model, max_tokens=args.max_tokens, temperature=args.temperature,
+                  speculative=spec, workload_class=args.workload_class)
+    messages = None if args.raw else [{"role": "user", "content": args.prompt}]
+    prompt = args.prompt if args.raw else None
+    try:
+        if args.stream:
+            final = None
+            for chunk in client.generate_stream(prompt=prompt, messages=messages, **kwargs):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                final = chunk
+            print()
+            stats = final.spec if final is not None else {}
+        else:
+            result = client.generate(prompt=prompt, messages=messages, **kwargs)
+            print(result.text)
+            stats = result.spec
+    except ClientError as e:
+        print(f"specserve generate: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({k: v for k, v in (stats or {}).items() if k != "token_ids"}), file=sys.stderr)
+    return 0
+
+
+def cmd_status(args) -> int:
+    import httpx
+
+    out: dict = {"url": args.url}
+    try:
+        r = httpx.get(f"{args.url}/v1/specserve/status", timeout=5)
+        out["router"] = r.json()
+        out["healthy"] = r.status_code == 200
+    except httpx.HTTPError as e:
+        out["healthy"] = False
+        out["error"] = f"router not reachable: {e}"
+    try:
+        import ray
+        from ray import serve
+
+        ray.init(address="auto", logging_level=logging.ERROR)
+        st = serve.status()
+        out["applications"] = {
+            name: {"status": str(app.status),
+                   "deployments": {d: {"status": str(ds.status),
+                                       "replicas": {str(k): v for k, v in ds.replica_states.items()}}
+                                   for d, ds in app.deployments.items()}}
+            for name, app in st.applications.items()
+        }
+    except Exception as e:  # noqa: BLE001 - status is best effort; report what failed
+        out["ray"] = f"not reachable: {type(e).__name__}: {e}"
+    print(json.dumps(out, indent=2))
+    return 0 if out.get("healthy") else 1
+
+
+def cmd_prepare(args) -> int:
+    from cluster.config import load_config
+    from cluster.models import prepare_all
+
+    print(json.dumps(prepare_all(load_config(args.config)), indent=2))
+    return 0
+
+
+def cmd_check_config(args) -> int:
+    from cluster.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(f"{args.config}: ok ({len(cfg.pools)} pools: {', '.join(cfg.pools)})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    up = sub.add_parser("up", help="start the cluster from a config and serve until interrupted")
+    up.add_argument("--config", default=DEFAULT_CONFIG)
+    up.add_argument("--wait-s", type=float, default=900.0, help="bound on start-up")
+    up.set_defaults(func=cmd_up)
+
+    g = sub.add_parser("generate", help="send one request")
+    g.add_argument("prompt")
+    g.add_argument("--url", default=DEFAULT_URL)
+    g.add_argument("--model", default=None)
+    g.add_argument("--mode", default=None, help="none | ngram | draft_model | ... (default: the router decides)")
+    g.add_argument("--k", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--workload-class", default=None)
+    g.add_argument("--stream", action="store_true")
+    g.add_argument("--raw", action="store_true", help="send as a raw prompt, without the chat template")
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("status", help="pools, replicas, Redis reachability")
+    s.add_argument("--url", default=DEFAULT_URL)
+    s.set_defaults(func=cmd_status)
+
+    pr = sub.add_parser("prepare", help="prepare (convert, cache) the models of a config")
+    pr.add_argument("--config", default=DEFAULT_CONFIG)
+    pr.set_defaults(func=cmd_prepare)
+
+    cc = sub.add_parser("check-config", help="validate a cluster config")
+    cc.add_argument("config")
+    cc.set_defaults(func=cmd_check_config)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

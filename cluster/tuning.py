@@ -1,0 +1,447 @@
+"""Tuning state in Redis: written from every response's SpecStats, read back as a `TuningView`.
+
+Contract: nothing here touches Redis on the request path. `TuningStore.record(...)` and
+`note_decision(...)` append to bounded in-memory buffers; `snapshot(model)` returns the latest
+validated in-memory view. One background thread flushes the buffers in batches (a MULTI pipeline
+of HINCRBY / HINCRBYFLOAT, so router replicas add up, with a TTL on every key) and refreshes the
+views from Redis. Redis down, slow or poisoned: requests still get a view (priors when empty);
+writes are kept (aggregated per key, bounded) and resume by themselves when Redis answers again.
+
+Keys: `{prefix}:{model}:{mode}:{class}:{bucket}` (prefix `specserve:v1` from RedisConfig), one hash
+per tuning cell with the count fields of `cluster.policy.CellStats` (`a{i}` / `e{i}` are the
+per-position accepted / exposed steps), `chosen_k` (the incumbent K) and `updated` (unix s).
+A cell that is the wrong type, too big, has unknown fields, non-numeric or out-of-range values, or
+is stale is ignored with a (rate-limited) warning and a counter, and deleted so writers can rebuild it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import random
+import threading
+import time
+from collections import ChainMap
+from dataclasses import replace
+from typing import Callable, Mapping, Optional
+from urllib.parse import quote
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from cluster.config import RedisConfig
+from cluster.policy import BUCKET_NAMES, MAX_K, CellKey, CellStats, TuningView, load_bucket, tuning_rows
+from cluster.speculation import WORKLOAD_CLASSES, SpecMode, SpecStats
+
+log = logging.getLogger("specserve.tuning")
+
+INT_FIELDS = ("requests", "steps", "drafted", "accepted", "rejected_steps", "k_steps", "tokens")
+FLOAT_FIELDS = ("decode_s",)
+POSITION_FIELDS = tuple(f"{p}{i}" for i in range(MAX_K) for p in ("a", "e"))
+META_FIELDS = ("chosen_k", "updated")
+KNOWN_FIELDS = frozenset(INT_FIELDS + FLOAT_FIELDS + POSITION_FIELDS + META_FIELDS)
+MAX_FIELDS = len(KNOWN_FIELDS)
+MAX_VALUE_BYTES = 32
+MAX_KEY_BYTES = 16384  # MEMORY USAGE of a full legitimate cell is ~2-4 KiB
+MAX_COUNT = 10**13  # no legitimate counter gets near this
+MAX_DECODE_S = 1e10
+MODES = tuple(m.value for m in SpecMode)
+
+
+class MalformedCell(ValueError):
+    """A tuning hash that failed validation; the message says why."""
+
+
+def _segment(s: str) -> str:
+    return quote(str(s), safe="-._~@+/")
+
+
+def cell_key(prefix: str, model: str, mode: str, workload_class: str, bucket: str) -> str:
+    """`{prefix}:{model}:{mode}:{class}:{bucket}`; segments are percent-quoted (no stray ':')."""
+    return ":".join([prefix, _segment(model), _segment(mode), _segment(workload_class), _segment(bucket)])
+
+
+def increments_from_stats(
+    stats: SpecStats, latency_s: float, ttft_s: Optional[float] = None, output_tokens: Optional[int] = None,
+) -> dict[str, float]:
+    """Hash increments for one finished request (ValueError on impossible stats).
+
+    α trials: every step is a trial of draft position 0 (a step with nothing drafted counts as a
+    rejection: it bought nothing), and position i >= 1 is tried in the steps where it was drafted
+    and position i-1 accepted, estimated as min(drafted_per_position[i], accepted_per_position[i-1])
+    (exact when all K are drafted). rejected_steps = trials - accepted. Without drafted_per_position
+    all K positions count as drafted. Exposure of position i (`e{i}`) is drafted_per_position[i]
+    (else the request's steps when K > i). decode_s = latency_s - ttft_s."""
+    k, steps, drafted, accepted = int(stats.k), int(stats.steps), int(stats.drafted), int(stats.accepted)
+    if not 0 <= k <= MAX_K:
+        raise ValueError(f"k={k} outside 0..{MAX_K}")
+    if min(steps, drafted, accepted) < 0 or accepted > drafted:
+        raise ValueError(f"inconsistent stats (steps={steps}, drafted={drafted}, accepted={accepted})")
+    if not (isinstance(latency_s, (int, float)) and math.isfinite(latency_s) and latency_s >= 0):
+        raise ValueError(f"latency_s={latency_s!r}")
+    decode_s = float(latency_s)
+    if ttft_s is not None and math.isfinite(ttft_s) and ttft_s >= 0:
+        decode_s = max(decode_s - ttft_s, 0.0)
+    n = min(k, MAX_K)
+    dr_list = [int(x) for x in getattr(stats, "drafted_per_position", [])][:n]
+    exposed = [min(max(x, 0), steps) for x in dr_list] if dr_list else [steps] * n
+    exposed += [0] * (n - len(exposed))
+    acc = [min(max(int(x), 0), e) for x, e in zip(list(stats.accepted_per_position)[:n] + [0] * n, exposed)]
+    trials = (steps + sum(min(exposed[i], acc[i - 1]) for i in range(1, n))) if n else 0
+    inc: dict[str, float] = {
+        "requests": 1, "steps": steps, "drafted": drafted, "accepted": accepted,
+        "rejected_steps": min(max(trials - accepted, 0), steps), "k_steps": k * steps,
+        "tokens": int(output_tokens) if output_tokens is not None else steps + accepted + 1,
+        "decode_s": decode_s,
+    }
+    for i in range(n):
+        if exposed[i]:
+            inc[f"e{i}"] = exposed[i]
+        if acc[i]:
+            inc[f"a{i}"] = acc[i]
+    return inc
+
+
+def _number(name: str, raw, kind) -> float:
+    s = raw.decode() if isinstance(raw, bytes) else str(raw)
+    if len(s) > MAX_VALUE_BYTES:
+        raise MalformedCell(f"{name}: value of {len(s)} bytes")
+    try:
+        v = kind(s)
+    except ValueError:
+        raise MalformedCell(f"{name}: not a{'n integer' if kind is int else ' number'}: {s[:20]!r}") from None
+    if not math.isfinite(v):
+        raise MalformedCell(f"{name}: not finite")
+    return v
+
+
+def parse_cell(fields: Mapping, now_unix_s: float, max_age_s: float) -> tuple[CellStats, Optional[int]]:
+    """Validate one hash (HGETALL result) into (CellStats, chosen_k); raise MalformedCell."""
+    if len(fields) > MAX_FIELDS:
+        raise MalformedCell(f"{len(fields)} fields")
+    vals: dict[str, float] = {}
+    for raw_name, raw in fields.items():
+        name = raw_name.decode(errors="replace") if isinstance(raw_name, bytes) else str(raw_name)
+        if name not in KNOWN_FIELDS:
+            raise MalformedCell(f"unknown field {name[:40]!r}")
+        v = _number(name, raw, float if name in FLOAT_FIELDS + ("updated",) else int)
+        if not 0 <= v <= (MAX_DECODE_S if name in FLOAT_FIELDS else MAX_COUNT if name != "updated" else 1e11):
+            raise MalformedCell(f"{name}={v} out of range")
+        vals[name] = v
+    g = lambda n: int(vals.get(n, 0))  # noqa: E731
+    steps = g("steps")
+    if g("accepted") > g("drafted") or g("rejected_steps") > steps or g("k_steps") > MAX_K * steps:
+        raise MalformedCell("inconsistent counts (accepted > drafted, rejected > steps or K > max)")
+    acc = [g(f"a{i}") for i in range(MAX_K)]
+    exp = [g(f"e{i}") for i in range(MAX_K)]
+    if any(a > e or e > steps for a, e in zip(acc, exp)):
+        raise MalformedCell("per-position counts exceed exposure or steps")
+    chosen = vals.get("chosen_k")
+    if chosen is not None and not 0 <= chosen <= MAX_K:
+        raise MalformedCell(f"chosen_k={chosen} outside 0..{MAX_K}")
+    updated = float(vals.get("updated", 0.0))
+    if updated > now_unix_s + 3600:
+        raise MalformedCell(f"updated {updated:.0f} is in the future")
+    if updated and now_unix_s - updated > max_age_s:
+        raise MalformedCell(f"stale: updated {now_unix_s - updated:.0f} s ago")
+    n = max((i + 1 for i in range(MAX_K) if exp[i] or acc[i]), default=0)
+    cell = CellStats(
+        requests=g("requests"), steps=steps, drafted=g("drafted"), accepted=g("accepted"),
+        rejected_steps=g("rejected_steps"), k_steps=g("k_steps"), tokens=g("tokens"),
+        decode_s=float(vals.get("decode_s", 0.0)), accepted_at=tuple(acc[:n]), exposed_at=tuple(exp[:n]),
+        updated_unix_s=updated,
+    )
+    return cell, None if chosen is None else int(chosen)
+
+
+class TuningStore:
+    """Buffered writer and cached reader of the tuning cells of one or more models (see module doc)."""
+
+    def __init__(
+        self,
+        config: RedisConfig,
+        models: tuple[str, ...] = (),
+        *,
+        flush_interval_s: float = 0.5,
+        refresh_interval_s: float = 1.0,
+        buffer_size: int = 10000,
+        ttl_s: int = 7 * 86400,
+        io_timeout_s: Optional[float] = None,
+        rng_seed: Optional[int] = None,
+        repair_malformed: bool = True,
+        clock: Callable[[], float] = time.time,
+        start: bool = True,
+    ):
+        self.prefix = config.key_prefix
+        self.ttl_s = int(ttl_s)
+        self.flush_interval_s, self.refresh_interval_s = flush_interval_s, refresh_interval_s
+        self.repair_malformed = repair_malformed
+        self._clock = clock
+        # Off the request path, so a little more than the per-call budget; never any retry.
+        timeout = io_timeout_s if io_timeout_s is not None else max(config.socket_timeout_s, 0.25)
+        self._redis = redis.Redis.from_url(
+            config.url, socket_timeout=timeout, socket_connect_timeout=timeout,
+            retry_on_timeout=False, retry=Retry(NoBackoff(), 0), health_check_interval=0,
+        )
+        self._rng = random.Random(rng_seed)
+        self._records: collections.deque = collections.deque()
+        self._buffer_size = buffer_size
+        self._lock = threading.Lock()  # guards the buffers (held for microseconds)
+        self._io_lock = threading.Lock()  # one flush / refresh at a time
+        self._pending: dict[str, dict[str, float]] = {}  # key -> increments not yet in Redis
+        self._pending_chosen: dict[str, int] = {}  # key -> incumbent K not yet in Redis
+        self._to_delete: set[str] = set()
+        self._models: set[str] = set(models)
+        self._views: dict[str, TuningView] = {}
+        self._overlay: dict[str, dict[CellKey, int]] = {}  # this replica's own incumbents
+        self._last_ok_mono = 0.0
+        self._last_warn: dict[tuple, float] = {}
+        self.counters = collections.Counter()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        if start:
+            self.start()
+
+    @classmethod
+    def from_config(cls, config, **kwargs) -> "TuningStore":
+        """A started store for a ClusterConfig: its Redis section and its served models."""
+        return cls(config.redis, models=tuple(config.served_models()), **kwargs)
+
+    # -- the request path: memory only -------------------------------------------------------
+
+    def record_completion(self, model: str, decision, completion, batch_per_replica: float = 0.0) -> bool:
+        """`record` from a routing Decision and a wire Completion (stats = SpecStats.to_dict()).
+        The load bucket is the one the policy decided in; else that of `batch_per_replica` + 1."""
+        stats = SpecStats.from_dict(completion.stats or {})
+        detail = decision.detail or {}
+        bucket = detail.get("load_bucket") or load_bucket(batch_per_replica + 1.0)
+        return self.record(model, stats.mode, decision.pool, decision.workload_class, bucket, stats,
+                           latency_s=completion.latency_s, ttft_s=completion.ttft_s or None,
+                           output_tokens=completion.completion_tokens or None)
+
+
+    def record(
+        self, model: str, mode: str, pool: str, workload_class: str, load_bucket: str, stats: SpecStats,
+        latency_s: float, ttft_s: Optional[float] = None, output_tokens: Optional[int] = None,
+    ) -> bool:
+        """Queue one finished request's stats (non-blocking). False if rejected as invalid.
+        `pool` is for the log only: cells are shared by the pools of a mode."""
+        if mode not in MODES or workload_class not in WORKLOAD_CLASSES or load_bucket not in BUCKET_NAMES:
+            self.counters["records_invalid"] += 1
+            self._warn(("record", mode, workload_class), "record from pool %s: unknown mode/class/bucket %r/%r/%r",
+                       pool, mode, workload_class, load_bucket)
+            return False
+        try:
+            inc = increments_from_stats(stats, latency_s, ttft_s, output_tokens)
+        except (TypeError, ValueError) as e:
+            self.counters["records_invalid"] += 1
+            self._warn(("record", pool), "record from pool %s ignored: %s", pool, e)
+            return False
+        with self._lock:
+            if len(self._records) >= self._buffer_size:
+                self._records.popleft()
+                self.counters["records_dropped"] += 1
+            self._records.append((cell_key(self.prefix, model, mode, workload_class, load_bucket), inc))
+            self.counters["records"] += 1
+        return True
+
+    def note_decision(self, model: str, decision) -> None:
+        """Remember the policy's K as the incumbent of its cell (skips explored decisions)."""
+        d = decision.detail or {}
+        if d.get("explore") or decision.decided_by != "policy" or "load_bucket" not in d:
+            return
+        cell = (d.get("pool_mode", decision.mode.value), decision.workload_class, d["load_bucket"])
+        overlay = self._overlay.setdefault(model, {})
+        if overlay.get(cell) == decision.k:
+            return
+        overlay[cell] = decision.k
+        with self._lock:
+            self._pending_chosen[cell_key(self.prefix, model, *cell)] = int(decision.k)
+
+    def snapshot(self, model: str) -> TuningView:
+        """The latest validated view of `model` (empty until the first refresh; never blocks)."""
+        view = self._views.get(model)
+        if view is None:
+            self._models.add(model)
+            view = TuningView(model=model, rng=self._rng)
+        return replace(view, chosen_k=ChainMap(self._overlay.setdefault(model, {}), view.chosen_k))
+
+    @property
+    def healthy(self) -> bool:
+        """True when Redis answered within the last few intervals."""
+        window = 3 * max(self.flush_interval_s, self.refresh_interval_s) + 1.0
+        return self._last_ok_mono > 0 and time.monotonic() - self._last_ok_mono < window
+
+    # -- background I/O ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="specserve-tuning", daemon=True)
+            self._thread.start()
+
+    def close(self, flush: bool = True) -> None:
+        """Stop the thread (one last flush attempt when `flush`) and the connections."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        if flush:
+            self.flush_now()
+        self._redis.close()
+
+    def _run(self) -> None:
+        next_flush = next_refresh = time.monotonic()
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= next_flush:
+                self.flush_now()
+                next_flush = time.monotonic() + self.flush_interval_s
+            if now >= next_refresh:
+                for model in list(self._models):
+                    self.refresh_now(model)
+                next_refresh = time.monotonic() + self.refresh_interval_s
+            self._stop.wait(max(min(next_flush, next_refresh) - time.monotonic(), 0.01))
+
+    def flush_now(self) -> bool:
+        """Write buffered records in one MULTI pipeline; on failure keep them (aggregated) for later."""
+        with self._io_lock:
+            return self._flush()
+
+    def _flush(self) -> bool:
+        with self._lock:
+            drained = list(self._records)
+            self._records.clear()
+            for key, inc in drained:
+                agg = self._pending.setdefault(key, {})
+                for f, v in inc.items():
+                    agg[f] = agg.get(f, 0) + v
+            if len(self._pending) > 4 * len(MODES) * len(WORKLOAD_CLASSES) * len(BUCKET_NAMES) * max(len(self._models), 1):
+                self.counters["pending_dropped"] += len(self._pending)
+                self._pending.clear()
+            pending, chosen, delete = dict(self._pending), dict(self._pending_chosen), set(self._to_delete)
+        if not (pending or chosen or delete):
+            return True
+        now = self._clock()
+        pipe = self._redis.pipeline(transaction=True)
+        order = []
+        for key in delete:
+            pipe.delete(key)
+            order.append((key, None))
+        for key in set(pending) | set(chosen):
+            for f, v in pending.get(key, {}).items():
+                (pipe.hincrbyfloat if f in FLOAT_FIELDS else pipe.hincrby)(key, f, v if f in FLOAT_FIELDS else int(v))
+                order.append((key, f))
+            mapping = {"updated": repr(now)}
+            if key in chosen:
+                mapping["chosen_k"] = chosen[key]
+            pipe.hset(key, mapping=mapping)
+            pipe.expire(key, self.ttl_s)
+            order += [(key, "updated"), (key, "expire")]
+        try:
+            results = pipe.execute(raise_on_error=False)
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            self.counters["flush_errors"] += 1
+            self._warn(("flush",), "tuning flush failed (%d keys kept for later): %s", len(pending), e)
+            return False
+        bad = {key for (key, _), r in zip(order, results) if isinstance(r, Exception)}
+        for key in bad:  # a poisoned key refused HINCRBY: drop its batch, delete it next flush
+            self.counters["flush_key_errors"] += 1
+            self._warn(("flush-key", key), "tuning key %s refused an update; it will be reset", key)
+        with self._lock:
+            for key in pending:
+                self._pending.pop(key, None)
+            for key, k in chosen.items():
+                if self._pending_chosen.get(key) == k:
+                    del self._pending_chosen[key]
+            self._to_delete = (self._to_delete - delete) | bad
+        self.counters["flushes"] += 1
+        self.counters["keys_written"] += len(set(pending) | set(chosen))
+        self._last_ok_mono = time.monotonic()
+        return True
+
+    def fetch_view(self, model: str) -> TuningView:
+        """Read and validate every cell of `model` from Redis now (raises redis errors).
+        Three round trips: HLEN (type and field count), MEMORY USAGE (size), HGETALL."""
+        cells_keys = [(m, c, b) for m in MODES for c in WORKLOAD_CLASSES for b in BUCKET_NAMES]
+        keys = [cell_key(self.prefix, model, *ck) for ck in cells_keys]
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.hlen(key)
+        lens = pipe.execute(raise_on_error=False)
+        present = []
+        for ck, key, n in zip(cells_keys, keys, lens):
+            if isinstance(n, Exception):
+                self._malformed(key, f"not a hash ({n})")
+            elif n > MAX_FIELDS:
+                self._malformed(key, f"{n} fields")
+            elif n:
+                present.append((ck, key))
+        pipe = self._redis.pipeline(transaction=False)
+        for _, key in present:
+            pipe.memory_usage(key, samples=0)
+        sizes = pipe.execute(raise_on_error=False)
+        small = []
+        for (ck, key), size in zip(present, sizes):
+            if isinstance(size, int) and size > MAX_KEY_BYTES:
+                self._malformed(key, f"{size} bytes")
+            else:
+                small.append((ck, key))
+        pipe = self._redis.pipeline(transaction=False)
+        for _, key in small:
+            pipe.hgetall(key)
+        now = self._clock()
+        max_age_s = self.ttl_s + 3600
+        cells: dict[CellKey, CellStats] = {}
+        chosen: dict[CellKey, int] = {}
+        for (ck, key), fields in zip(small, pipe.execute(raise_on_error=False)):
+            try:
+                if isinstance(fields, Exception):
+                    raise MalformedCell(str(fields))
+                cell, k = parse_cell(fields, now, max_age_s)
+            except MalformedCell as e:
+                self._malformed(key, str(e))
+                continue
+            cells[ck] = cell
+            if k is not None:
+                chosen[ck] = k
+        self.counters["refreshes"] += 1
+        return TuningView(model=model, cells=cells, chosen_k=chosen, fetched_unix_s=now, rng=self._rng)
+
+    def refresh_now(self, model: str) -> bool:
+        """Replace the cached view of `model` from Redis; keep the old one on failure."""
+        try:
+            with self._io_lock:
+                view = self.fetch_view(model)
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            self.counters["refresh_errors"] += 1
+            self._warn(("refresh",), "tuning refresh failed, serving the cached view: %s", e)
+            return False
+        overlay = self._overlay.setdefault(model, {})
+        for ck, k in view.chosen_k.items():  # persisted: Redis is authoritative again
+            if overlay.get(ck) == k:
+                overlay.pop(ck, None)
+        self._views[model] = view
+        self._last_ok_mono = time.monotonic()
+        return True
+
+    def table(self, model: str) -> list[dict]:
+        """Rows of the current table from Redis (for `specserve tuning`; not for the request path)."""
+        return tuning_rows(self.fetch_view(model))
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _malformed(self, key: str, reason: str) -> None:
+        self.counters["malformed_cells"] += 1
+        self._warn(("malformed", key), "ignoring tuning key %s: %s", key, reason)
+        if self.repair_malformed:
+            with self._lock:
+                self._to_delete.add(key)
+
+    def _warn(self, what: tuple, msg: str, *args) -> None:
+        now = time.monotonic()
+        if now - self._last_warn.get(what, -1e9) >= 60.0:
+            self._last_warn[what] = now
+            log.warning(msg, *args)

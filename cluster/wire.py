@@ -1,0 +1,148 @@
+"""Wire formats of the two front doors: OpenAI-compatible JSON and specserve.v1 protobuf.
+
+Both are built from one internal result (`Completion`) so that the HTTP and gRPC answers carry
+the same fields; both parse into `cluster.api.GenerateRequest` (validation lives there).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from cluster.api import ApiError, ErrorCode, GenerateRequest, parse_request
+
+
+@dataclass
+class Completion:
+    """What the router knows of a finished (or partial) generation."""
+
+    request_id: str
+    model: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    stats: dict[str, Any] = field(default_factory=dict)  # SpecStats.to_dict() + pool/replica/decision
+    logprobs: Optional[list[dict[int, float]]] = None
+
+    @property
+    def tpot_s(self) -> float:
+        n = self.completion_tokens - 1
+        return (self.latency_s - self.ttft_s) / n if n > 0 else 0.0
+
+
+# -- OpenAI JSON ------------------------------------------------------------------------------
+
+def _ext(c: Completion, with_tokens: bool = True) -> dict[str, Any]:
+    ext = {"request_id": c.request_id, **c.stats, "ttft_s": round(c.ttft_s, 6),
+           "latency_s": round(c.latency_s, 6), "tpot_s": round(c.tpot_s, 6)}
+    if with_tokens:
+        ext["token_ids"] = c.token_ids
+    if c.logprobs is not None:
+        ext["logprobs"] = [{str(t): lp for t, lp in pos.items()} for pos in c.logprobs]
+    return ext
+
+
+def _usage(c: Completion) -> dict[str, int]:
+    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+            "total_tokens": c.prompt_tokens + c.completion_tokens}
+
+
+def openai_response(c: Completion, chat: bool) -> dict[str, Any]:
+    created = int(time.time())
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
+                  "finish_reason": c.finish_reason, "logprobs": None}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
+        obj = "text_completion"
+    return {"id": c.request_id, "object": obj, "created": created, "model": c.model,
+            "choices": [choice], "usage": _usage(c), "specserve": _ext(c)}
+
+
+def openai_chunk(request_id: str, model: str, chat: bool, text: str, token_ids: list[int],
+                 final: Optional[Completion] = None) -> str:
+    """One SSE event; `final` set on the last one (finish_reason, usage and the stats)."""
+    finish = final.finish_reason if final else None
+    if chat:
+        choice = {"index": 0, "delta": {"content": text} if text or not final else {}, "finish_reason": finish,
+                  "logprobs": None}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        obj = "text_completion"
+    body: dict[str, Any] = {"id": request_id, "object": obj, "created": int(time.time()), "model": model,
+                            "choices": [choice]}
+    if final is not None:
+        body["usage"] = _usage(final)
+        body["specserve"] = {**_ext(final, with_tokens=False), "token_ids": token_ids}
+    else:
+        body["specserve"] = {"token_ids": token_ids}
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+def openai_error_event(err: ApiError) -> str:
+    return f"data: {json.dumps(err.to_openai())}\n\n"
+
+
+# -- protobuf ---------------------------------------------------------------------------------
+
+def from_proto(msg: Any) -> GenerateRequest:
+    """specserve.v1.GenerateRequest -> validated GenerateRequest (unset optionals keep defaults)."""
+    data: dict[str, Any] = {}
+    if msg.model:
+        data["model"] = msg.model
+    if msg.prompt and msg.messages:
+        raise ApiError(ErrorCode.INVALID_ARGUMENT, "exactly one of `prompt` and `messages` must be given",
+                       field="prompt")
+    if msg.messages:
+        data["messages"] = [{"role": m.role, "content": m.content} for m in msg.messages]
+    else:
+        data["prompt"] = msg.prompt
+    if msg.HasField("sampling"):
+        s = msg.sampling
+        for name in ("max_tokens", "temperature", "top_p", "seed", "logprobs"):
+            if s.HasField(name):
+                data[name] = getattr(s, name)
+        if s.stop:
+            data["stop"] = list(s.stop)
+    if msg.workload_class:
+        data["workload_class"] = msg.workload_class
+    if msg.HasField("speculative"):
+        spec: dict[str, Any] = {"mode": msg.speculative.mode}
+        if msg.speculative.HasField("k"):
+            spec["k"] = msg.speculative.k
+        data["speculative"] = spec
+    if msg.request_id:
+        data["request_id"] = msg.request_id
+    return parse_request(data)
+
+
+def spec_stats_proto(pb: Any, c: Completion):
+    s = c.stats
+    return pb.SpecStats(
+        mode=str(s.get("mode", "none")), k=int(s.get("k", 0)), steps=int(s.get("steps", 0)),
+        drafted=int(s.get("drafted", 0)), accepted=int(s.get("accepted", 0)),
+        acceptance_length=float(s.get("acceptance_length", 1.0)),
+        accepted_per_position=[int(x) for x in s.get("accepted_per_position", [])],
+        pool=str(s.get("pool", "")), workload_class=str(s.get("workload_class", "")),
+        decided_by=str(s.get("decided_by", "")),
+    )
+
+
+def timing_proto(pb: Any, c: Completion):
+    return pb.Timing(ttft_s=c.ttft_s, latency_s=c.latency_s, tpot_s=c.tpot_s)
+
+
+def generate_response_proto(pb: Any, c: Completion):
+    return pb.GenerateResponse(
+        request_id=c.request_id, model=c.model, text=c.text, token_ids=c.token_ids,
+        finish_reason=c.finish_reason or "", prompt_tokens=c.prompt_tokens,
+        completion_tokens=c.completion_tokens, timing=timing_proto(pb, c), spec=spec_stats_proto(pb, c),
+    )

@@ -1,0 +1,74 @@
+"""The application graph: one engine deployment per pool, and the router ingress bound to them.
+
+`build_app(args)` is the Ray Serve import path (`deployments.app:build_app`), used alike by
+`specserve up` and by the Serve config rendered for KubeRay. `args` holds the cluster config,
+inline (`{"config": {...}}`) or as a path (`{"config_path": "..."}`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from ray import serve
+
+from cluster.config import ClusterConfig, PoolConfig, load_config, parse_config
+from cluster.placement import cpu_engine_env, engine_deployment_options, router_deployment_options
+from deployments.engine import EngineServer
+from deployments.router import Router
+
+log = logging.getLogger("specserve.app")
+
+
+class EngineReplica(EngineServer):
+    """EngineServer that prepares its own model files on the node it lands on (cached per node)."""
+
+    def __init__(self, pool_name: str, pool: PoolConfig, config: ClusterConfig):
+        from cluster.models import resolve_model
+
+        model_path = resolve_model(pool.model, config)
+        drafter_path = resolve_model(pool.drafter, config) if pool.drafter else None
+        super().__init__(pool_name, pool, model_path, drafter_path, served_name=pool.model,
+                         dtype=config.models[pool.model].dtype)
+
+
+class RouterReplica(Router):
+    """Router with its I/O dependencies (tuning store in Redis, classifier) built in the replica."""
+
+    def __init__(self, config: ClusterConfig, engines: dict[str, Any]):
+        super().__init__(config, engines, tuning=_make_tuning(config), classifier=_make_classifier())
+
+
+def _make_tuning(config: ClusterConfig):
+    try:
+        from cluster.tuning import TuningStore
+    except ImportError:
+        return None
+    return TuningStore.from_config(config)
+
+
+def _make_classifier():
+    try:
+        from cluster.classifier import classify
+    except ImportError:
+        return None
+    return lambda prompt, messages: classify(text=prompt, messages=messages)
+
+
+def config_from_args(args: dict[str, Any]) -> ClusterConfig:
+    if "config" in args:
+        return parse_config(args["config"], origin="args.config")
+    if "config_path" in args:
+        return load_config(args["config_path"])
+    raise ValueError("build_app args need `config` (a dict) or `config_path`")
+
+
+def build_app(args: dict[str, Any], platform_env: Optional[dict[str, str]] = None) -> serve.Application:
+    config = config_from_args(args)
+    env = cpu_engine_env() if platform_env is None else platform_env
+    engines = {}
+    for name, pool in config.pools.items():
+        engines[name] = serve.deployment(EngineReplica).options(
+            **engine_deployment_options(name, pool, env)
+        ).bind(name, pool, config)
+    return serve.deployment(RouterReplica).options(**router_deployment_options(config)).bind(config, engines)

@@ -1,0 +1,308 @@
+"""Router deployment: the ingress. Validates a request, decides pool / mode / K, streams from the engine.
+
+It serves both front doors from one class: HTTP (OpenAI-compatible, through `__call__`) and gRPC
+(`specserve.v1.SpecServe` and `grpc.health.v1.Health` methods, called by Ray Serve's gRPC proxy by
+method name). Dependencies (engine handles, tuning store, classifier) are injected through
+`__init__`, so tests can build a Router without Ray. The decision itself is `cluster.routing.route`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, AsyncIterator, Callable, Optional
+
+from cluster.api import ApiError, ErrorCode, GenerateRequest, from_openai
+from cluster.config import ClusterConfig
+from cluster.routing import Decision, PoolView, pool_views, resolve_model, route
+from cluster.wire import Completion, openai_chunk, openai_error_event, openai_response
+from deployments.engine import EngineChunk, EngineRequest
+
+log = logging.getLogger("specserve.router")
+
+RETRY_AFTER_S = 1.0
+
+
+def _default_classifier(prompt: Optional[str], messages: Optional[list[dict]]) -> str:
+    return "chat"
+
+
+class Router:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        engines: dict[str, Any],  # pool name -> DeploymentHandle of engine-<pool> (or a test double)
+        tuning: Any = None,  # cluster.tuning store (optional)
+        classifier: Optional[Callable[..., str]] = None,
+    ):
+        self.config = config
+        self.engines = engines
+        self.tuning = tuning
+        self.classify = classifier or _default_classifier
+        self.views = {v.name: v for v in pool_views(config)}
+        self.inflight: dict[str, int] = {name: 0 for name in config.pools}  # this router's view of load
+        self.served = config.served_models()
+
+    # -- the decision ----------------------------------------------------------------------------
+
+    def _live_pools(self, model: str) -> list[PoolView]:
+        out = []
+        for name, v in self.views.items():
+            if v.model == model:
+                out.append(PoolView(**{**v.__dict__, "running": float(self.inflight.get(name, 0))}))
+        return out
+
+    def decide(self, req: GenerateRequest) -> tuple[str, Decision]:
+        """Validated request -> (model, Decision). Pure apart from reading the live counters."""
+        model = resolve_model(req.model, self.served)
+        wclass = req.workload_class or self.classify(
+            req.prompt, [m.model_dump() for m in req.messages] if req.messages else None
+        )
+        spec = req.speculative
+        tuning = self.tuning.snapshot(model) if self.tuning is not None else None
+        decision = route(self._live_pools(model), self.config.router, wclass,
+                         mode_override=spec.mode if spec else None, k_override=spec.k if spec else None,
+                         tuning=tuning)
+        pool = self.config.pools[decision.pool]
+        if req.max_tokens >= pool.max_model_len:
+            raise ApiError(ErrorCode.INVALID_ARGUMENT,
+                           f"max_tokens: {req.max_tokens} must be below the model's context length "
+                           f"({pool.max_model_len})", field="max_tokens")
+        return model, decision
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def plan(self, req: GenerateRequest) -> tuple[str, Decision, EngineRequest]:
+        """Validate against the cluster and decide; raises ApiError before anything is sent."""
+        rid = req.ensure_request_id()
+        model, d = self.decide(req)
+        ereq = EngineRequest(
+            request_id=rid, mode=d.mode.value, k=d.k, prompt=req.prompt,
+            messages=[m.model_dump() for m in req.messages] if req.messages else None,
+            max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+            stop=list(req.stop), logprobs=req.logprobs, ignore_eos=req.ignore_eos,
+        )
+        return model, d, ereq
+
+    async def _stream(self, req: GenerateRequest) -> AsyncIterator[tuple[EngineChunk, Completion]]:
+        """Yield (chunk, running completion) pairs; the last pair has the final stats."""
+        t0 = time.perf_counter()
+        model, d, ereq = self.plan(req)
+        rid = ereq.request_id
+        comp = Completion(request_id=rid, model=model)
+        handle = self.engines[d.pool]
+        self.inflight[d.pool] += 1
+        gen = None
+        finished = False
+        try:
+            gen = handle.options(stream=True).generate.remote(ereq)
+            async for chunk in gen:
+                now = time.perf_counter()
+                if not comp.token_ids and chunk.token_ids:
+                    comp.ttft_s = now - t0
+                comp.text += chunk.text
+                comp.token_ids.extend(chunk.token_ids)
+                if chunk.logprobs:
+                    comp.logprobs = (comp.logprobs or []) + chunk.logprobs
+                if chunk.finish_reason is not None:
+                    comp.finish_reason = chunk.finish_reason
+                    comp.prompt_tokens = chunk.prompt_tokens
+                    comp.completion_tokens = chunk.completion_tokens
+                    comp.latency_s = now - t0
+                    comp.stats = {**(chunk.stats or {}), "pool": d.pool, "replica": chunk.replica,
+                                  "decided_by": d.decided_by, "workload_class": d.workload_class}
+                    finished = True
+                yield chunk, comp
+            if not finished:
+                raise ApiError(ErrorCode.UNAVAILABLE, "engine stream ended before the request finished")
+            self._record(model, d, comp)
+        except ApiError:
+            raise
+        except Exception as e:  # noqa: BLE001 - mapped to a typed API error with context
+            raise self._map_error(e, rid, d) from e
+        finally:
+            self.inflight[d.pool] -= 1
+            if gen is not None and not finished:
+                gen.cancel()  # client went away or failed: abort in the engine, free its KV cache
+
+    def _map_error(self, e: Exception, rid: str, d: Decision) -> ApiError:
+        name = type(e).__name__
+        if name == "BackPressureError":
+            return ApiError(ErrorCode.RESOURCE_EXHAUSTED, f"pool {d.pool!r} is overloaded; retry later",
+                            retry_after_s=RETRY_AFTER_S)
+        if isinstance(e, asyncio.CancelledError) or name in ("RequestCancelledError", "TaskCancelledError"):
+            return ApiError(ErrorCode.CANCELLED, "request cancelled")
+        text = str(e)
+        if "ValueError" in name or "ValueError" in text and ("longer than" in text or "maximum" in text):
+            return ApiError(ErrorCode.INVALID_ARGUMENT, f"prompt: {text.splitlines()[-1][:300]}", field="prompt")
+        if name in ("DeploymentUnavailableError", "ReplicaUnavailableError", "ActorDiedError", "RayActorError"):
+            return ApiError(ErrorCode.UNAVAILABLE, f"engine replica unavailable: {name}", retry_after_s=RETRY_AFTER_S)
+        log.exception("request %s (pool %s, mode %s, k %d) failed", rid, d.pool, d.mode.value, d.k)
+        return ApiError(ErrorCode.INTERNAL, f"internal error ({name}); request id {rid}")
+
+    def _record(self, model: str, d: Decision, comp: Completion) -> None:
+        if self.tuning is None:
+            return
+        try:
+            self.tuning.record(model=model, decision=d, completion=comp,
+                               batch_per_replica=self.inflight.get(d.pool, 0))
+        except Exception:  # noqa: BLE001 - tuning must never fail a request
+            log.warning("tuning record failed for %s", comp.request_id, exc_info=True)
+
+    async def complete(self, req: GenerateRequest) -> Completion:
+        comp = None
+        async for _, comp in self._stream(req):
+            pass
+        assert comp is not None
+        return comp
+
+    # -- HTTP (OpenAI-compatible) ----------------------------------------------------------------
+
+    async def __call__(self, request):  # starlette.requests.Request
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        path = request.url.path.rstrip("/")
+        try:
+            if path == "/v1/models" and request.method == "GET":
+                return JSONResponse(self.models_json())
+            if path in ("/v1/completions", "/v1/chat/completions") and request.method == "POST":
+                chat = path.endswith("chat/completions")
+                try:
+                    body = json.loads(await request.body())
+                except (ValueError, UnicodeDecodeError) as e:
+                    raise ApiError(ErrorCode.INVALID_ARGUMENT, f"body: not valid JSON ({e})", field="body") from None
+                req = from_openai(body, chat=chat)
+                if req.stream:
+                    stream = self._sse(req, chat)
+                    first = await stream.__anext__()  # validation, routing and overload errors -> HTTP codes
+                    return StreamingResponse(_prepend(first, stream), media_type="text/event-stream")
+                return JSONResponse(openai_response(await self.complete(req), chat))
+            if path == "/v1/specserve/status" and request.method == "GET":
+                return JSONResponse(await self.status())
+            raise ApiError(ErrorCode.NOT_FOUND, f"no route {request.method} {path}", field="path")
+        except ApiError as e:
+            headers = {"Retry-After": str(max(1, round(e.retry_after_s)))} if e.retry_after_s else None
+            return JSONResponse(e.to_openai(), status_code=e.code.http_status, headers=headers)
+
+    async def _sse(self, req: GenerateRequest, chat: bool) -> AsyncIterator[str]:
+        """SSE events. Errors before the first event propagate (so they become HTTP codes);
+        later ones are sent as an error event, then [DONE]."""
+        started = False
+        try:
+            async for chunk, comp in self._stream(req):
+                final = comp if chunk.finish_reason is not None else None
+                yield openai_chunk(comp.request_id, comp.model, chat, chunk.text, chunk.token_ids, final)
+                started = True
+        except ApiError as e:
+            if not started:
+                raise
+            yield openai_error_event(e)
+        yield "data: [DONE]\n\n"
+
+    # -- gRPC (specserve.v1.SpecServe and grpc.health.v1.Health, dispatched by method name) -------
+
+    @staticmethod
+    def _grpc_fail(ctx: Any, e: ApiError) -> ApiError:
+        if ctx is not None:
+            import grpc
+
+            ctx.set_code(getattr(grpc.StatusCode, e.code.grpc_name))
+            ctx.set_details(e.message)
+            if e.retry_after_s:
+                ctx.set_trailing_metadata([("retry-after-s", str(e.retry_after_s))])
+        return e
+
+    async def Generate(self, request, grpc_context=None):
+        from cluster._gen.specserve.v1 import specserve_pb2 as pb
+        from cluster.wire import from_proto, generate_response_proto
+
+        try:
+            return generate_response_proto(pb, await self.complete(from_proto(request)))
+        except ApiError as e:
+            raise self._grpc_fail(grpc_context, e) from None
+
+    async def GenerateStream(self, request, grpc_context=None):
+        from cluster._gen.specserve.v1 import specserve_pb2 as pb
+        from cluster.wire import from_proto, spec_stats_proto, timing_proto
+
+        try:
+            async for chunk, comp in self._stream(from_proto(request)):
+                msg = pb.GenerateStreamResponse(request_id=comp.request_id, text=chunk.text, token_ids=chunk.token_ids)
+                if chunk.finish_reason is not None:
+                    msg.finish_reason = comp.finish_reason or ""
+                    msg.prompt_tokens = comp.prompt_tokens
+                    msg.completion_tokens = comp.completion_tokens
+                    msg.timing.CopyFrom(timing_proto(pb, comp))
+                    msg.spec.CopyFrom(spec_stats_proto(pb, comp))
+                yield msg
+        except ApiError as e:
+            raise self._grpc_fail(grpc_context, e) from None
+
+    async def ListModels(self, request, grpc_context=None):
+        from cluster._gen.specserve.v1 import specserve_pb2 as pb
+
+        out = pb.ListModelsResponse()
+        for m in self.models_json()["data"]:
+            info = out.models.add(name=m["id"])
+            for p in m["specserve"]["pools"]:
+                info.pools.add(name=p["name"], method=p["method"], max_k=p["max_k"], modes=p["modes"])
+        return out
+
+    async def GetTuning(self, request, grpc_context=None):
+        from cluster._gen.specserve.v1 import specserve_pb2 as pb
+
+        out = pb.GetTuningResponse(redis_ok=bool(self.tuning is not None and getattr(self.tuning, "healthy", False)))
+        if self.tuning is not None and hasattr(self.tuning, "table"):
+            models = [request.model] if request.model else self.served
+            for m in models:
+                for row in self.tuning.table(m):
+                    out.entries.add(**{k: v for k, v in row.items() if k in pb.TuningEntry.DESCRIPTOR.fields_by_name})
+        return out
+
+    def _health_status(self, service: str) -> int:
+        from grpc_health.v1 import health_pb2
+
+        if service not in ("", "specserve.v1.SpecServe"):
+            return -1
+        return health_pb2.HealthCheckResponse.SERVING if self.engines else health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def Check(self, request, grpc_context=None):
+        from grpc_health.v1 import health_pb2
+
+        status = self._health_status(request.service)
+        if status < 0:
+            raise self._grpc_fail(grpc_context, ApiError(ErrorCode.NOT_FOUND, f"unknown service {request.service!r}",
+                                                         field="service"))
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request, grpc_context=None):
+        from grpc_health.v1 import health_pb2
+
+        status = self._health_status(request.service)
+        yield health_pb2.HealthCheckResponse(
+            status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN if status < 0 else status)
+
+    def models_json(self) -> dict[str, Any]:
+        data = []
+        for m in self.served:
+            pools = [{"name": n, "method": p.method.value, "max_k": p.max_k, "modes": [x.value for x in p.modes]}
+                     for n, p in self.config.pools.items() if p.model == m]
+            data.append({"id": m, "object": "model", "created": 0, "owned_by": "specserve",
+                         "specserve": {"pools": pools}})
+        return {"object": "list", "data": data}
+
+    async def status(self) -> dict[str, Any]:
+        return {
+            "models": self.served,
+            "pools": {n: {"method": p.method.value, "max_k": p.max_k, "inflight": self.inflight[n]}
+                      for n, p in self.config.pools.items()},
+            "redis_ok": bool(self.tuning is not None and getattr(self.tuning, "healthy", False)),
+        }
+
+
+async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    yield first
+    async for item in rest:
+        yield item

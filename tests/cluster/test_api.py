@@ -1,0 +1,67 @@
+import pytest
+
+from cluster.api import ApiError, ErrorCode, from_openai, parse_request
+
+
+def bad(body, chat=True):
+    with pytest.raises(ApiError) as e:
+        from_openai(body, chat=chat)
+    assert e.value.code == ErrorCode.INVALID_ARGUMENT
+    return e.value
+
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def test_chat_request_with_extension():
+    r = from_openai({"model": "m", "messages": MSG, "max_tokens": 5, "stop": "x", "stream": True, "n": 1,
+                     "logprobs": True, "top_logprobs": 2,
+                     "specserve": {"workload_class": "code", "speculative": {"mode": "ngram", "k": 3},
+                                   "request_id": "abc-1"}}, chat=True)
+    assert r.max_tokens == 5 and r.stop == ["x"] and r.stream and r.logprobs == 2
+    assert r.workload_class == "code" and r.speculative.mode == "ngram" and r.speculative.k == 3
+    assert r.request_id == "abc-1"
+
+
+def test_completion_request():
+    r = from_openai({"prompt": ["hello"], "max_tokens": 3, "logprobs": 1}, chat=False)
+    assert r.prompt == "hello" and r.logprobs == 1
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [({"messages": MSG, "max_tokens": 0}, "max_tokens"),
+     ({"messages": MSG, "max_tokens": "ten"}, "max_tokens"),
+     ({"messages": MSG, "temperature": 3}, "temperature"),
+     ({"messages": MSG, "top_p": 0}, "top_p"),
+     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+     ({"messages": MSG, "unknown_field": 1}, "unknown_field"),
+     ({"messages": MSG, "specserve": {"speculative": {"mode": "warp"}}}, "speculative.mode"),
+     ({"messages": MSG, "specserve": {"speculative": {"mode": "ngram", "k": 99}}}, "speculative.k"),
+     ({"messages": MSG, "specserve": {"workload_class": "poetry"}}, "workload_class"),
+     ({"messages": MSG, "specserve": {"request_id": "has space"}}, "request_id"),
+     ({"messages": MSG, "specserve": {"bogus": 1}}, "specserve"),
+     ({"messages": MSG, "n": 2}, "n"),
+     ({"messages": MSG, "stop": ["a"] * 9}, "stop"),
+     ({"messages": []}, "messages"),
+     ({"prompt": "x"}, "prompt")],
+)
+def test_bad_fields_are_named(body, field):
+    assert field in (bad(body).field or "")
+
+
+def test_prompt_and_body_shape():
+    assert bad("not a dict").field == "body"
+    with pytest.raises(ApiError):
+        parse_request({"prompt": "", "max_tokens": 1})
+    with pytest.raises(ApiError):
+        parse_request({"prompt": "a", "messages": MSG})
+    with pytest.raises(ApiError) as e:
+        parse_request({"prompt": "x" * (256 * 1024 + 1)})
+    assert e.value.field == "prompt"
+
+
+def test_request_ids_are_generated_and_unguessable():
+    a, b = parse_request({"prompt": "x"}), parse_request({"prompt": "x"})
+    ra, rb = a.ensure_request_id(), b.ensure_request_id()
+    assert ra != rb and len(ra) >= 20

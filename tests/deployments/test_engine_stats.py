@@ -1,0 +1,54 @@
+from types import SimpleNamespace
+
+from cluster.config import load_config
+from deployments.engine import engine_kwargs, speculative_config, stats_from_output
+from pathlib import Path
+
+CFG = load_config(Path(__file__).resolve().parents[2] / "cluster" / "configs" / "local-cpu.yaml")
+
+
+def metrics(hist, drafted, per_step_drafted=()):
+    return SimpleNamespace(histogram=hist, num_draft_tokens=drafted, per_step_drafted=list(per_step_drafted))
+
+
+def test_no_speculation():
+    s = stats_from_output("none", 0, 10, None)
+    assert (s.steps, s.spec_steps, s.drafted, s.accepted) == (9, 0, 0, 0)
+    assert s.acceptance_length == 1.0
+
+
+def test_histogram_to_counts():
+    # 5 spec steps: accepted 0,1,2,2,3 of K=3 -> accepted 8; 20 tokens -> 19 after the first.
+    m = metrics([1, 1, 2, 1], 15, [3, 3, 3, 3, 3])
+    s = stats_from_output("ngram", 3, 20, m)
+    assert s.spec_steps == 5 and s.accepted == 8 and s.drafted == 15
+    assert s.steps == 19 - 8
+    assert s.accepted_per_position == [4, 3, 1]
+    assert s.drafted_per_position == [5, 5, 5]
+    assert abs(s.acceptance_length - (1 + 8 / 11)) < 1e-9
+
+
+def test_stop_inside_accepted_run_caps_accepted():
+    # 3 steps each accepting 4 of K=4 would give 15 tokens after the first; EOS cut it to 13.
+    s = stats_from_output("ngram", 4, 14, metrics([0, 0, 0, 0, 3], 12, [4, 4, 4]))
+    assert s.accepted == 13 - 3 and s.steps == 3
+    assert abs(s.acceptance_length - (1 + 10 / 3)) < 1e-9
+
+
+def test_short_drafts_per_position():
+    s = stats_from_output("ngram", 4, 10, metrics([1, 1, 0, 0, 0], 3, [2, 1]))
+    assert s.drafted_per_position == [2, 1, 0, 0]
+
+
+def test_speculative_config_per_method():
+    assert speculative_config(CFG.pools["ngram"], None) == {
+        "method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    assert speculative_config(CFG.pools["draft"], "/d") == {"method": "draft_model", "num_speculative_tokens": 4,
+                                                            "model": "/d"}
+
+
+def test_engine_kwargs_pool_overrides_win():
+    kw = engine_kwargs(CFG.pools["ngram"], "/m", None, "smollm2-135m", "float32")
+    assert kw["scheduler_cls"] == "cluster.vllm_scheduler.PerRequestKScheduler"
+    assert kw["async_scheduling"] is False and kw["enforce_eager"] is True and kw["max_num_seqs"] == 64
+    assert kw["dtype"] == "float32"

@@ -1,0 +1,80 @@
+"""One real local cluster per test session: `specserve up` in a subprocess (the README's path),
+on free ports, with its own Redis; every engine test shares it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCAL_CONFIG = ROOT / "cluster" / "configs" / "local-cpu.yaml"
+START_TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    def __init__(self, config_path: Path, raw: dict, proc: subprocess.Popen, log_path: Path):
+        self.config_path = config_path
+        self.raw = raw
+        self.proc = proc
+        self.log_path = log_path
+        self.http_url = f"http://127.0.0.1:{raw['api']['http_port']}"
+        self.grpc_target = f"127.0.0.1:{raw['api']['grpc_port']}"
+        self.redis_url = raw["redis"]["url"]
+
+    def log_tail(self, n: int = 60) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory) -> Cluster:
+    tmp = tmp_path_factory.mktemp("cluster")
+    raw = yaml.safe_load(LOCAL_CONFIG.read_text())
+    raw["api"]["http_port"] = _free_port()
+    raw["api"]["grpc_port"] = _free_port()
+    raw["redis"]["url"] = f"redis://127.0.0.1:{_free_port()}/0"
+    raw["name"] = "specserve-test"
+    config_path = tmp / "cluster.yaml"
+    config_path.write_text(yaml.safe_dump(raw))
+    log_path = tmp / "up.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", "--config", str(config_path)],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                start_new_session=True)
+    c = Cluster(config_path, raw, proc, log_path)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"specserve up exited with {proc.returncode}:\n{c.log_tail()}")
+            if "[specserve] serving in" in log_path.read_text(errors="replace"):
+                break
+            if time.monotonic() > deadline:
+                pytest.fail(f"cluster not serving after {START_TIMEOUT_S} s:\n{c.log_tail()}")
+            time.sleep(2)
+        httpx.get(f"{c.http_url}/v1/models", timeout=30).raise_for_status()
+        yield c
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # `specserve up` shuts Serve, Ray and Redis down
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)

@@ -1,0 +1,63 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.config import ConfigError, load_config, parse_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "cluster" / "configs"
+
+
+def base() -> dict:
+    return yaml.safe_load((CONFIGS / "local-cpu.yaml").read_text())
+
+
+def test_shipped_configs_load():
+    for path in CONFIGS.glob("*.yaml"):
+        cfg = load_config(path)
+        assert cfg.pools, path
+
+
+def test_local_config_pools_and_modes():
+    cfg = load_config(CONFIGS / "local-cpu.yaml")
+    assert [m.value for m in cfg.pools["ngram"].modes] == ["ngram", "none"]
+    assert cfg.pools["draft"].drafter == "smollm2-135m-draft-l4"
+    assert cfg.served_models() == ["smollm2-135m"]
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda c: c["pools"]["ngram"].update(method="medusa2"), "pools.ngram.method"),
+        (lambda c: c["pools"]["ngram"].update(max_k=0), "pools.ngram"),
+        (lambda c: c["pools"]["ngram"].update(max_k=99), "pools.ngram.max_k"),
+        (lambda c: c["pools"]["draft"].pop("drafter"), "pools.draft"),
+        (lambda c: c["pools"]["ngram"].update(model="nope"), "pools.ngram.model"),
+        (lambda c: c["pools"]["ngram"].update(bundles=[]), "pools.ngram.bundles"),
+        (lambda c: c["pools"]["ngram"].update(bundles=[{"CPU": -1}]), "pools.ngram.bundles"),
+        (lambda c: c["pools"]["ngram"].update(placement_strategy="ANY"), "pools.ngram.placement_strategy"),
+        (lambda c: c["pools"]["ngram"].update(replicass=2), "pools.ngram.replicass"),
+        (lambda c: c["router"].update(default_mode="fast"), "router.default_mode"),
+        (lambda c: c["router"].update(default_k={"ngram": 40}), "router.default_k"),
+        (lambda c: c["api"].update(http_port=70000), "api.http_port"),
+        (lambda c: c["models"]["smollm2-135m-draft-l4"].update(source="truncate:missing:4"),
+         "models.smollm2-135m-draft-l4.source"),
+        (lambda c: c["pools"]["ngram"].update(autoscaling={"min_replicas": 3, "max_replicas": 1}),
+         "pools.ngram.autoscaling"),
+    ],
+)
+def test_bad_config_names_the_field(mutate, field):
+    raw = base()
+    mutate(raw)
+    with pytest.raises(ConfigError) as e:
+        parse_config(raw)
+    assert field in str(e.value), str(e.value)
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "absent.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pools: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)

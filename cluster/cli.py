@@ -197,6 +197,12 @@ def cmd_check_config(args) -> int:
     return 0
 
 
+def cmd_k8s(args) -> int:
+    from cluster.render import main as render_main
+
+    return render_main(args.render_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -230,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     cc = sub.add_parser("check-config", help="validate a cluster config")
     cc.add_argument("config")
     cc.set_defaults(func=cmd_check_config)
+
+    k = sub.add_parser("k8s", help="Kubernetes tools: `specserve k8s render [--overlay NAME] [--check]`")
+    k.add_argument("action", choices=["render"])
+    k.add_argument("render_args", nargs=argparse.REMAINDER, help="arguments of cluster/render.py")
+    k.set_defaults(func=cmd_k8s)
     return p
 
 

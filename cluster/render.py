@@ -26,12 +26,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cluster.config import ClusterConfig, ConfigError, parse_config
+from cluster.placement import GRPC_SERVICER_FUNCTIONS, engine_deployment_options, router_deployment_options
 
 IMPORT_PATH = "deployments.app:build_app"
-GRPC_SERVICERS = [
-    "cluster._gen.specserve.v1.specserve_pb2_grpc.add_SpecServeServicer_to_server",
-    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
-]
 RUN_AS_UID = 1000  # the `specserve` user of k8s/docker/Dockerfile.{cpu,gpu}
 GENERATED = "generated.yaml"
 Obj = dict[str, Any]
@@ -200,22 +197,25 @@ def _shapes(nodes) -> str:
 # -- Serve config and the RayService -----------------------------------------------------------------
 
 
+def _serve_options(opts: dict[str, Any]) -> Obj:
+    """Deployment options of cluster.placement as Serve config entries.
+
+    `ray_actor_options` stays with the builder: its runtime_env is computed inside the cluster
+    (e.g. LD_PRELOAD of the image's venv), and a Serve config entry would replace it.
+    """
+    return {k: copy.deepcopy(v) for k, v in opts.items() if k != "ray_actor_options"}
+
+
 def serve_config(raw: dict[str, Any], cfg: ClusterConfig, settings: RenderSettings) -> Obj:
-    """Ray Serve config (serveConfigV2): one application built by deployments.app from `raw`."""
-    deployments: list[Obj] = [
-        {"name": "router", "num_replicas": cfg.router.replicas, "max_ongoing_requests": cfg.router.max_ongoing_requests}
-    ]
+    """Ray Serve config (serveConfigV2): one application built by deployments.app from `raw`.
+
+    Its per-deployment entries are the builder's own options (cluster.placement), so KubeRay's
+    view and `build_app`'s agree; only the shutdown grace is the overlay's.
+    """
+    deployments = [_serve_options(router_deployment_options(cfg))]
     for name, pool in cfg.pools.items():
-        d: Obj = {
-            "name": f"engine-{name}",
-            "max_ongoing_requests": pool.max_ongoing_requests,
-            "max_queued_requests": pool.max_queued_requests,
-            "graceful_shutdown_timeout_s": settings.graceful_shutdown_timeout_s,
-        }
-        if pool.autoscaling:
-            d["autoscaling_config"] = pool.autoscaling.model_dump()
-        else:
-            d["num_replicas"] = pool.replicas
+        d = _serve_options(engine_deployment_options(name, pool, {}))
+        d["graceful_shutdown_timeout_s"] = settings.graceful_shutdown_timeout_s
         deployments.append(d)
     out: Obj = {
         "proxy_location": "EveryNode",
@@ -232,7 +232,7 @@ def serve_config(raw: dict[str, Any], cfg: ClusterConfig, settings: RenderSettin
         ],
     }
     if cfg.api.grpc_port:
-        out["grpc_options"] = {"port": cfg.api.grpc_port, "grpc_servicer_functions": list(GRPC_SERVICERS)}
+        out["grpc_options"] = {"port": cfg.api.grpc_port, "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS)}
     return out
 
 

@@ -48,10 +48,8 @@ def _make_tuning(config: ClusterConfig):
 
 
 def _make_classifier():
-    try:
-        from cluster.classifier import classify
-    except ImportError:
-        return None
+    from cluster.classifier import classify
+
     return lambda prompt, messages: classify(text=prompt, messages=messages)
 
 

@@ -1,0 +1,211 @@
+"""Pure pieces of cluster/render.py: merging, Kubernetes checks, placement, Serve config, kustomize subset."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import yaml
+
+from cluster.config import ConfigError, load_config, parse_config
+from cluster.render import (
+    RenderSettings, _new_image, _start_params, build, deep_merge, k8s_config_errors, load_settings, main,
+    placement_errors, serve_config, strategic_merge,
+)
+from tests.k8s.k8s_checks import K8S, ROOT
+
+
+def _cfg(pools, **extra):
+    raw = {"models": {"m": {"source": "org/m"}, "d": {"source": "org/d"}}, "pools": pools,
+           "api": {"host": "0.0.0.0"}, "redis": {"url": "redis://r:6379/0", "start_local": False}, **extra}
+    return raw, parse_config(raw)
+
+
+def _settings(*groups, head=None):
+    return RenderSettings.model_validate({
+        "cluster_config": "x.yaml", "image": "img:1",
+        "head": head or {"cpu": 2, "memory_gib": 4, "ray_cpus": 1},
+        "worker_groups": list(groups),
+    })
+
+
+TP2 = {"name": "tp2", "cpu": 16, "memory_gib": 64, "gpus": 2, "ray_cpus": 8, "custom_resources": {"big": 2},
+       "max_replicas": 2}
+ONE = {"name": "one", "cpu": 8, "memory_gib": 32, "gpus": 1, "max_replicas": 3}
+BUNDLES_TP2 = [{"CPU": 1, "GPU": 1, "big": 1}, {"GPU": 1, "big": 1}]
+
+
+def test_deep_merge():
+    assert deep_merge({"a": {"b": 1, "c": 2}, "d": [1]}, {"a": {"b": 3}, "d": [2], "e": None}) == \
+        {"a": {"b": 3, "c": 2}, "d": [2], "e": None}
+    base = {"a": {"b": 1}}
+    deep_merge(base, {"a": {"b": 2}})
+    assert base == {"a": {"b": 1}}  # no aliasing
+
+
+def test_k8s_config_errors():
+    local = load_config(ROOT / "cluster/configs/local-cpu.yaml")
+    errors = k8s_config_errors(local)
+    assert len(errors) == 3 and any("api.host" in e for e in errors) and any("start_local" in e for e in errors)
+    assert k8s_config_errors(load_config(ROOT / "cluster/configs/gpu-example.yaml")) == []
+
+
+def test_placement_fits():
+    _, cfg = _cfg({"p": {"model": "m", "tensor_parallel_size": 2, "bundles": BUNDLES_TP2,
+                         "autoscaling": {"min_replicas": 1, "max_replicas": 2}}})
+    assert placement_errors(cfg, _settings(TP2)) == []
+
+
+def test_placement_tp_must_match_gpus():
+    _, cfg = _cfg({"p": {"model": "m", "tensor_parallel_size": 4, "bundles": BUNDLES_TP2}})
+    assert any("tensor_parallel_size is 4" in e for e in placement_errors(cfg, _settings(TP2)))
+    _, cfg = _cfg({"p": {"model": "m", "tensor_parallel_size": 2, "bundles": [{"CPU": 1}]}})
+    assert any("needs GPU bundles" in e for e in placement_errors(cfg, _settings(TP2)))
+
+
+def test_placement_strict_pack_needs_one_pod():
+    bundles = [{"CPU": 1, "GPU": 1}, {"GPU": 1}]
+    _, cfg = _cfg({"p": {"model": "m", "tensor_parallel_size": 2, "bundles": bundles}})
+    errors = placement_errors(cfg, _settings(ONE))
+    assert any("STRICT_PACK" in e and "fit no single pod" in e for e in errors)
+    _, cfg = _cfg({"p": {"model": "m", "tensor_parallel_size": 2, "bundles": bundles, "placement_strategy": "SPREAD"}})
+    assert placement_errors(cfg, _settings(ONE)) == []
+
+
+def test_placement_strict_spread_needs_enough_pods():
+    bundles = [{"CPU": 1}] * 6
+    _, cfg = _cfg({"p": {"model": "m", "bundles": bundles, "placement_strategy": "STRICT_SPREAD"}})
+    assert any("STRICT_SPREAD needs 6 pods" in e for e in placement_errors(cfg, _settings(ONE)))
+
+
+def test_placement_custom_resource_must_be_advertised():
+    _, cfg = _cfg({"p": {"model": "m", "tensor_parallel_size": 2, "bundles": BUNDLES_TP2}})
+    errors = placement_errors(cfg, _settings({**TP2, "custom_resources": {}}))
+    assert any("fit no single pod" in e for e in errors)
+    assert any(e.startswith("capacity:") and "big" in e for e in errors)
+
+
+def test_placement_capacity_at_max_replicas():
+    _, cfg = _cfg({"p": {"model": "m", "tensor_parallel_size": 2, "bundles": BUNDLES_TP2,
+                         "autoscaling": {"min_replicas": 1, "max_replicas": 3}}})
+    errors = placement_errors(cfg, _settings(TP2))  # 3 replicas x 2 GPU > 2 pods x 2 GPU
+    assert any("need 6 GPU" in e and "offer 4" in e for e in errors)
+
+
+def test_cpu_bundles_may_use_the_head():
+    _, cfg = _cfg({"p": {"model": "m", "bundles": [{"CPU": 1}]}})
+    assert placement_errors(cfg, _settings({**ONE, "ray_cpus": 0})) == []
+
+
+def test_serve_config_autoscaling_or_replicas_and_grpc():
+    raw, cfg = _cfg({
+        "a": {"model": "m", "autoscaling": {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 4}},
+        "b": {"model": "m", "method": "ngram", "max_k": 3, "replicas": 2},
+    }, api={"host": "0.0.0.0", "grpc_port": 0})
+    serve = serve_config(raw, cfg, _settings(ONE))
+    deps = {d["name"]: d for d in serve["applications"][0]["deployments"]}
+    assert deps["engine-a"]["autoscaling_config"]["max_replicas"] == 3 and "num_replicas" not in deps["engine-a"]
+    assert deps["engine-b"]["num_replicas"] == 2 and "autoscaling_config" not in deps["engine-b"]
+    assert "grpc_options" not in serve
+    assert serve["applications"][0]["args"] == {"config": raw}
+
+
+def test_start_params_resources_in_the_ray_autoscaler_format():
+    params = _start_params(_settings(TP2).worker_groups[0], head=False)
+    assert params["num-cpus"] == "8"
+    assert json.loads(params["resources"][1:-1].replace("\\", "")) == {"big": 2}
+    assert "resources" not in _start_params(_settings(ONE).worker_groups[0], head=False)
+    assert _start_params(_settings(ONE).head, head=True)["dashboard-host"] == "0.0.0.0"
+
+
+def test_strategic_merge():
+    base = {"spec": {"containers": [{"name": "a", "image": "x", "env": [{"name": "A", "value": "1"}]},
+                                    {"name": "b", "image": "y"}], "keep": 1, "drop": 2}}
+    patch = {"spec": {"containers": [{"name": "a", "env": [{"name": "B", "value": "2"}]}], "drop": None}}
+    out = strategic_merge(base, patch)
+    assert out["spec"]["containers"][0] == {"name": "a", "image": "x",
+                                            "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]}
+    assert out["spec"]["containers"][1]["name"] == "b" and out["spec"]["keep"] == 1 and "drop" not in out["spec"]
+    assert strategic_merge(base, patch, builtin=False)["spec"]["containers"] == patch["spec"]["containers"]
+    svc = strategic_merge({"ports": [{"port": 1, "name": "a"}]}, {"ports": [{"port": 1, "name": "b"}, {"port": 2}]})
+    assert svc["ports"] == [{"port": 1, "name": "b"}, {"port": 2}]
+
+
+@pytest.mark.parametrize("image,rules,want", [
+    ("app:1", [{"name": "app", "newName": "reg/app", "newTag": "2"}], "reg/app:2"),
+    ("app", [{"name": "app", "newTag": "3"}], "app:3"),
+    ("reg:5000/app:1", [{"name": "reg:5000/app", "newTag": "9"}], "reg:5000/app:9"),
+    ("other:1", [{"name": "app", "newTag": "2"}], "other:1"),
+])
+def test_new_image(image, rules, want):
+    assert _new_image(image, rules) == want
+
+
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_build_rejects_unsupported_fields_and_unmatched_patches(tmp_path):
+    _write(tmp_path / "a/kustomization.yaml", "resources: [x.yaml]\ncommonAnnotations: {a: b}\n")
+    _write(tmp_path / "a/x.yaml", "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n")
+    with pytest.raises(ValueError, match="commonAnnotations"):
+        build(tmp_path / "a")
+    _write(tmp_path / "a/kustomization.yaml", "resources: [x.yaml]\npatches: [{path: p.yaml}]\n")
+    _write(tmp_path / "a/p.yaml", "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: y}\ndata: {k: v}\n")
+    with pytest.raises(ValueError, match="matches 0 objects"):
+        build(tmp_path / "a")
+
+
+def test_build_namespace_labels_images_patches(tmp_path):
+    _write(tmp_path / "base/kustomization.yaml", "resources: [s.yaml]\n")
+    _write(tmp_path / "base/s.yaml", yaml.safe_dump({
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "s"},
+        "spec": {"template": {"spec": {"containers": [{"name": "c", "image": "app:1"}]}}}}))
+    _write(tmp_path / "o/kustomization.yaml", yaml.safe_dump({
+        "resources": ["../base"], "namespace": "ns", "labels": [{"pairs": {"l": "v"}}],
+        "images": [{"name": "app", "newTag": "2"}], "patches": [{"path": "p.yaml"}]}))
+    _write(tmp_path / "o/p.yaml", yaml.safe_dump({
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "s"},
+        "spec": {"template": {"spec": {"containers": [{"name": "c", "args": ["x"]}]}}}}))
+    (obj,) = build(tmp_path / "o")
+    assert obj["metadata"] == {"name": "s", "namespace": "ns", "labels": {"l": "v"}}
+    assert obj["spec"]["template"]["spec"]["containers"] == [{"name": "c", "image": "app:2", "args": ["x"]}]
+
+
+def test_load_settings_names_the_bad_field(tmp_path):
+    text = (K8S / "overlays/gpu-prod/render.yaml").read_text().replace("memory_gib: 160", "memory_gb: 160")
+    _write(tmp_path / "render.yaml", text)
+    with pytest.raises(ConfigError, match="memory_gb"):
+        load_settings(tmp_path)
+
+
+@pytest.fixture
+def k8s_copy(tmp_path):
+    dest = tmp_path / "k8s"
+    shutil.copytree(K8S, dest, ignore=shutil.ignore_patterns("schemas", "docker"))
+    for overlay in (dest / "overlays").iterdir():
+        settings = overlay / "render.yaml"
+        settings.write_text(settings.read_text().replace("../../../cluster/configs/", str(ROOT / "cluster/configs") + "/"))
+    assert main(["--k8s-dir", str(dest)]) == 0  # paths in headers stay relative to the overlay
+    return dest
+
+
+def test_check_fails_on_stale_files(k8s_copy):
+    assert main(["--k8s-dir", str(k8s_copy), "--check"]) == 0
+    gen = k8s_copy / "overlays/gpu-prod/generated.yaml"
+    gen.write_text(gen.read_text().replace("maxReplicas: 6", "maxReplicas: 7"))
+    assert main(["--k8s-dir", str(k8s_copy), "--check"]) == 1
+    assert main(["--k8s-dir", str(k8s_copy), "--overlay", "gpu-prod"]) == 0
+    assert main(["--k8s-dir", str(k8s_copy), "--check"]) == 0
+
+
+def test_render_refuses_a_config_that_cannot_run(k8s_copy, tmp_path):
+    bad = yaml.safe_load((ROOT / "cluster/configs/gpu-example.yaml").read_text())
+    bad["pools"]["ngram"]["autoscaling"]["max_replicas"] = 40
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+    assert main(["--k8s-dir", str(k8s_copy), "--overlay", "gpu-prod", "--config", str(tmp_path / "bad.yaml")]) == 2
+    bad["pools"]["ngram"]["max_kk"] = 1
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+    assert main(["--k8s-dir", str(k8s_copy), "--overlay", "gpu-prod", "--config", str(tmp_path / "bad.yaml")]) == 2

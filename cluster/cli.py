@@ -237,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     cc.add_argument("config")
     cc.set_defaults(func=cmd_check_config)
 
+    b = sub.add_parser("bench", help="compare speculation configurations on a running cluster (side by side)")
+    from cluster.bench import cli as bench_cli
+
+    bench_cli.add_arguments(b)
+    b.set_defaults(func=bench_cli.run)
+
     k = sub.add_parser("k8s", help="Kubernetes tools: `specserve k8s render [--overlay NAME] [--check]`")
     k.add_argument("action", choices=["render"])
     k.add_argument("render_args", nargs=argparse.REMAINDER, help="arguments of cluster/render.py")

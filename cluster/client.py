@@ -88,7 +88,7 @@ class StreamChunk:
     """One SSE event of a streamed response. `spec` is set on the last chunk only (full stats)."""
 
     text: str
-    token_ids: list[int]  # tokens new in this chunk
+    token_ids: list[int]  # tokens new in this chunk (the last chunk's may be the whole output)
     finish_reason: Optional[str]
     usage: Optional[dict]
     spec: Optional[SpecInfo]
@@ -205,12 +205,26 @@ def parse_chunk(payload: str, arrival_s: float) -> Optional[StreamChunk]:
     text = (delta or {}).get("content") or "" if delta is not None else choice.get("text") or ""
     finish = choice.get("finish_reason")
     ext = obj.get("specserve") or {}
-    # The last chunk carries the full stats object (its token_ids are the whole output).
+    # The last chunk carries the stats object; its token_ids may be the chunk's new tokens or the
+    # whole output (collect_stream tells which).
     is_final_stats = finish is not None and any(key in ext for key in ("steps", "mode", "drafted"))
     spec = SpecInfo.from_dict(ext) if is_final_stats else None
-    new_ids = [] if is_final_stats else [int(t) for t in ext.get("token_ids") or []]
+    new_ids = [int(t) for t in ext.get("token_ids") or []]
     return StreamChunk(text=text, token_ids=new_ids, finish_reason=finish, usage=obj.get("usage"),
                        spec=spec, arrival_s=arrival_s, raw=obj)
+
+
+def final_new_tokens(seen: list[int], final_ids: list[int], completion_tokens: Optional[int]) -> list[int]:
+    """Tokens first sent in the last chunk, whose `token_ids` are either its new tokens or the whole
+    output: `usage.completion_tokens` decides when given, else whether `seen` is a prefix."""
+    if completion_tokens is not None:
+        if len(seen) + len(final_ids) == completion_tokens:
+            return list(final_ids)
+        if len(final_ids) == completion_tokens and final_ids[: len(seen)] == seen:
+            return list(final_ids[len(seen):])
+    if seen and final_ids[: len(seen)] == seen:
+        return list(final_ids[len(seen):])
+    return list(final_ids)
 
 
 def collect_stream(chunks: Iterable[StreamChunk], start_s: float) -> GenerateResult:
@@ -223,18 +237,17 @@ def collect_stream(chunks: Iterable[StreamChunk], start_s: float) -> GenerateRes
         new_ids = ch.token_ids
         if ch.spec is not None:
             spec = ch.spec
-            if ch.spec.token_ids[: len(ids)] == ids:  # tokens first seen in the final chunk
-                new_ids = ch.spec.token_ids[len(ids):]
-        if new_ids or (ch.text and spec is None):
+            done = (ch.usage or {}).get("completion_tokens")
+            new_ids = final_new_tokens(ids, ch.token_ids, None if done is None else int(done))
+        if new_ids or ch.text:
             times.append(ch.arrival_s - start_s)
-            counts.append(len(new_ids) if new_ids else 1)
+            counts.append(len(new_ids))
         ids.extend(new_ids)
         finish = ch.finish_reason or finish
         usage = ch.usage or usage
-    spec = spec or SpecInfo(token_ids=list(ids))
-    if not spec.token_ids:
-        spec.token_ids = list(ids)
-    return GenerateResult(text="".join(text), token_ids=spec.token_ids, finish_reason=finish, usage=usage,
+    spec = spec or SpecInfo()
+    spec.token_ids = list(ids)
+    return GenerateResult(text="".join(text), token_ids=list(ids), finish_reason=finish, usage=usage,
                           spec=spec, ttft_s=times[0] if times else None, latency_s=last - start_s,
                           chunk_times_s=times, chunk_tokens=counts)
 

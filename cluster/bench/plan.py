@@ -1,0 +1,180 @@
+"""What a benchmark run will do, decided before it starts: configurations, order and a time estimate.
+
+Pure functions only. A *configuration* is what the bench asks of the router per request:
+`none` (no speculation), `<mode>:<k>` (fixed mode and K), `<mode>` (fixed mode, the router picks K)
+or `auto` (no override: the adaptive router decides). The default list is discovered from
+`GET /v1/models` (`specserve.pools[*].modes` and `max_k`): none, every mode at every K, auto.
+Order is interleaved (each prompt runs every configuration back to back, rotated from prompt to
+prompt and repeat to repeat) so that drift on a noisy machine does not favour one configuration.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+AUTO = "auto"
+NONE = "none"
+BEST = "best"  # in --sweep-configs: each mode at its fastest K of the greedy comparison
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    mode: Optional[str]  # None: no override (auto)
+    k: Optional[int]  # None: the router picks K
+
+    def speculative(self) -> Optional[dict]:
+        """The `specserve.speculative` override of the request body (None for auto)."""
+        if self.mode is None:
+            return None
+        if self.mode == NONE:
+            return {"mode": NONE}
+        return {"mode": self.mode} if self.k is None else {"mode": self.mode, "k": self.k}
+
+    @property
+    def is_speculative(self) -> bool:
+        return self.mode not in (None, NONE) and self.k != 0
+
+
+def mode_max_k(pools: list[dict]) -> dict[str, int]:
+    """mode -> the largest K any pool serves it with (0 for none), from /v1/models pools."""
+    out: dict[str, int] = {}
+    for pool in pools:
+        modes = pool.get("modes") or [pool.get("method", NONE)]
+        for mode in modes:
+            k = 0 if mode == NONE else int(pool.get("max_k") or 0)
+            out[mode] = max(out.get(mode, 0), k)
+    return out
+
+
+def discover_configs(pools: list[dict]) -> list[BenchConfig]:
+    """none, each speculative mode at each K 1..max_k (modes in pool order), auto."""
+    max_k = mode_max_k(pools)
+    configs = [BenchConfig(NONE, NONE, 0)]
+    for mode, kmax in max_k.items():
+        if mode != NONE:
+            configs += [BenchConfig(f"{mode}:{k}", mode, k) for k in range(1, kmax + 1)]
+    return configs + [BenchConfig(AUTO, None, None)]
+
+
+def parse_config(token: str, max_k: Optional[dict[str, int]] = None) -> list[BenchConfig]:
+    """One item of --configs: none | auto | MODE | MODE:K | MODE:* (all K of that mode)."""
+    token = token.strip()
+    if token == AUTO:
+        return [BenchConfig(AUTO, None, None)]
+    if token == NONE or token == f"{NONE}:0":
+        return [BenchConfig(NONE, NONE, 0)]
+    mode, _, k = token.partition(":")
+    if not mode or (max_k is not None and mode not in max_k):
+        served = ", ".join(sorted(max_k or {}))
+        raise ValueError(f"--configs: unknown mode in {token!r}" + (f"; served modes: {served}" if max_k else ""))
+    if not k:
+        return [BenchConfig(mode, mode, None)]
+    if k == "*":
+        if max_k is None:
+            raise ValueError(f"--configs: {token!r} needs the server's pools to know the largest K")
+        return [BenchConfig(f"{mode}:{i}", mode, i) for i in range(1, max_k[mode] + 1)]
+    if not k.isdigit():
+        raise ValueError(f"--configs: K must be a number or * in {token!r}")
+    if int(k) == 0:
+        return [BenchConfig(NONE, NONE, 0)]
+    if max_k is not None and int(k) > max_k[mode]:
+        raise ValueError(f"--configs: {token!r} exceeds the largest K ({max_k[mode]}) served for {mode}")
+    return [BenchConfig(f"{mode}:{int(k)}", mode, int(k))]
+
+
+def parse_configs(spec: str, max_k: Optional[dict[str, int]] = None) -> list[BenchConfig]:
+    """Comma-separated --configs list -> configurations, duplicates dropped, order kept."""
+    out: list[BenchConfig] = []
+    for token in spec.split(","):
+        if token.strip():
+            out += [c for c in parse_config(token, max_k) if c not in out]
+    if not out:
+        raise ValueError("--configs: empty list")
+    return out
+
+
+def quick_configs(pools: list[dict]) -> list[BenchConfig]:
+    """The --quick subset: none, each speculative mode at a middle K (ceil(max_k / 2)), auto."""
+    configs = [BenchConfig(NONE, NONE, 0)]
+    for mode, kmax in mode_max_k(pools).items():
+        if mode != NONE and kmax > 0:
+            k = max(1, math.ceil(kmax / 2))
+            configs.append(BenchConfig(f"{mode}:{k}", mode, k))
+    return configs + [BenchConfig(AUTO, None, None)]
+
+
+def interleaved_order(n_configs: int, n_prompts: int, repeats: int) -> list[tuple[int, int, int]]:
+    """(repeat, prompt index, config index) in run order.
+
+    Each prompt runs every configuration back to back; the configuration order is rotated by one
+    per prompt and per repeat, so every configuration runs first, second, ... equally often
+    over n_configs consecutive prompts.
+    """
+    order = []
+    for r in range(repeats):
+        for p in range(n_prompts):
+            shift = (p + r) % n_configs if n_configs else 0
+            order += [(r, p, (shift + i) % n_configs) for i in range(n_configs)]
+    return order
+
+
+def rotated(items: list, shift: int) -> list:
+    if not items:
+        return []
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
+def sweep_requests(concurrency: int, n_prompts: int, min_per_stream: int = 2) -> int:
+    """Requests sent at one concurrency level: enough for every stream to run `min_per_stream`."""
+    return max(n_prompts, min_per_stream * concurrency)
+
+
+def aggregate_tokens_per_s(concurrency: int, single_tokens_per_s: float, saturation: float = 0.15) -> float:
+    """Assumed aggregate decode rate at `concurrency` streams: c / (1 + saturation * (c - 1)) times
+    the single-stream rate (saturates at 1 / saturation times; 0.15 fits the batch-16 figure in FACTS)."""
+    c = max(concurrency, 1)
+    return single_tokens_per_s * c / (1.0 + saturation * (c - 1))
+
+
+@dataclass(frozen=True)
+class PlanShape:
+    """The sizes the estimate needs (all counts are of requests)."""
+
+    n_compare_configs: int
+    n_prompts: int
+    max_tokens: int
+    greedy_repeats: int
+    sampled_temperatures: int  # how many sampled (temperature > 0) comparison passes
+    sampled_repeats: int
+    n_sweep_configs: int
+    concurrency_levels: tuple[int, ...]
+    n_sweep_prompts: int
+    poisson_duration_s: float = 0.0  # per sweep configuration; 0: no Poisson phase
+    n_warmup_modes: int = 3
+
+
+def estimate_s(shape: PlanShape, single_tokens_per_s: float, per_request_overhead_s: float = 0.25) -> dict[str, float]:
+    """Seconds per phase (and 'total') of a plan, from an assumed single-stream decode rate."""
+    tok = shape.max_tokens
+    one = tok / single_tokens_per_s + per_request_overhead_s
+    phases = {
+        "warmup": shape.n_prompts * (one + shape.n_warmup_modes * per_request_overhead_s)
+        + shape.n_compare_configs * (8 / single_tokens_per_s + per_request_overhead_s),
+        "compare_greedy": shape.n_compare_configs * shape.n_prompts * shape.greedy_repeats * one,
+        "compare_sampled": shape.n_compare_configs * shape.n_prompts * shape.sampled_temperatures
+        * shape.sampled_repeats * one,
+    }
+    sweep = 0.0
+    for c in shape.concurrency_levels:
+        if c <= 1:
+            continue  # level 1 is the greedy comparison's data
+        n = sweep_requests(c, shape.n_sweep_prompts)
+        sweep += n * tok / aggregate_tokens_per_s(c, single_tokens_per_s) + per_request_overhead_s * math.ceil(n / c)
+    phases["sweep"] = shape.n_sweep_configs * sweep
+    phases["poisson"] = shape.n_sweep_configs * (shape.poisson_duration_s + (one if shape.poisson_duration_s else 0))
+    phases["total"] = sum(phases.values())
+    return phases

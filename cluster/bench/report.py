@@ -1,0 +1,272 @@
+"""Turns a run's samples into its results folder: raw JSON, summary JSON, a Markdown report, PNG plots.
+
+`build_summary` is pure (samples in, nested dict out); `render_markdown` is pure (summary in,
+text out); `write_results` and `plot` do the file I/O. A folder is
+`<results root>/<YYYYmmdd-HHMMSS>-<git short rev>/` with `samples.json` (every raw sample and the
+run's metadata), `summary.json`, `report.md` and the plots `speedup_by_task.png`,
+`load_throughput.png`, `load_p99_latency.png`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Optional
+
+from cluster.bench.metrics import (Sample, Slo, check_lossless, group_by, repeat_spread, speedup,
+                                   summarize)
+from cluster.bench.plan import NONE
+
+
+def git_short_rev(cwd: Optional[Path] = None) -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True,
+                             text=True, timeout=5, check=True)
+        return out.stdout.strip() or "norev"
+    except (OSError, subprocess.SubprocessError):
+        return "norev"
+
+
+def results_dir(root: Path, now: Optional[float] = None, rev: Optional[str] = None) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return Path(root) / f"{stamp}-{rev or git_short_rev()}"
+
+
+# -- summary ------------------------------------------------------------------------------------------
+
+
+def _config_order(samples: list[Sample]) -> list[str]:
+    seen: list[str] = []
+    for s in samples:
+        if s.config not in seen:
+            seen.append(s.config)
+    return seen
+
+
+def build_summary(samples: list[Sample], slo: Slo = Slo(), tie_gap: float = 0.05) -> dict[str, Any]:
+    """Everything the report shows, per configuration, task and load level."""
+    reference = {s.prompt_id: s for s in samples if s.phase == "reference" and s.ok}
+    compare = [s for s in samples if s.phase == "compare"]
+    out: dict[str, Any] = {"comparison": {}, "load": {}, "poisson": {}}
+
+    # 1. The side-by-side comparison at one stream, per temperature.
+    for temp, group in sorted(group_by(compare, lambda s: s.temperature).items()):
+        configs = _config_order(group)
+        by_cfg = group_by(group, lambda s: s.config)
+        rows = {}
+        base = repeat_spread(by_cfg.get(NONE, []))["median"]
+        for cfg in configs:
+            row = summarize(by_cfg[cfg], slo)
+            spread = repeat_spread(by_cfg[cfg])
+            row["repeat_tokens_per_s"] = spread
+            row["speedup"] = speedup(spread["median"], base)
+            row["by_task"] = {}
+            for task, tgroup in sorted(group_by(by_cfg[cfg], lambda s: s.task).items()):
+                trow = summarize(tgroup, slo)
+                tbase = repeat_spread([s for s in by_cfg.get(NONE, []) if s.task == task])["median"]
+                trow["repeat_tokens_per_s"] = repeat_spread(tgroup)
+                trow["speedup"] = speedup(trow["repeat_tokens_per_s"]["median"], tbase)
+                row["by_task"][task] = trow
+            rows[cfg] = row
+        out["comparison"][f"{temp:g}"] = rows
+
+    # 2. Losslessness of the greedy runs against the no-speculation reference.
+    greedy = [s for s in compare if s.temperature == 0]
+    counts, mismatches = check_lossless(reference, greedy, tie_gap)
+    out["lossless"] = {"tie_gap": tie_gap, "references": len(reference), "by_config": counts,
+                       "mismatches": [asdict(m) for m in mismatches]}
+
+    # 3. Load levels: closed-loop sweep (level 1 is the greedy comparison) and open loop.
+    sweep = [s for s in samples if s.phase == "sweep"]
+    sweep_temps = {s.temperature for s in sweep} or {0.0}
+    for cfg in _config_order(sweep):
+        levels = {}
+        one = [s for s in compare if s.config == cfg and s.temperature in sweep_temps]
+        if one:
+            levels["1"] = summarize(one, slo)
+        for c, group in sorted(group_by([s for s in sweep if s.config == cfg], lambda s: s.concurrency).items()):
+            levels[str(c)] = summarize(group, slo)
+        out["load"][cfg] = levels
+    for cfg, group in group_by([s for s in samples if s.phase == "poisson"], lambda s: s.config).items():
+        out["poisson"][cfg] = summarize(group, slo)
+    return out
+
+
+# -- Markdown -----------------------------------------------------------------------------------------
+
+
+def fmt(x: Any, digits: int = 2) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def _ms(x: Optional[float]) -> str:
+    return fmt(None if x is None or math.isnan(x) else x * 1000.0, 0)
+
+
+def _kdist(d: dict) -> str:
+    return " ".join(f"{k}×{v}" for k, v in d.items())
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def render_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
+    lines = [f"# specserve bench — {meta.get('started', '')}", ""]
+    for key in ("url", "model", "git_rev", "prompts_file", "max_tokens", "prompts", "configs", "slo"):
+        if key in meta:
+            lines.append(f"- **{key}**: `{meta[key]}`")
+    lines += ["", "Times in ms; tokens/s = output tokens / summed request latency (one stream); "
+              "speedup against `none` (median over repeats); acceptance length = accepted / steps + 1.", ""]
+    for temp, rows in summary["comparison"].items():
+        lines += [f"## One stream, temperature {temp}", ""]
+        header = ["config", "tok/s med", "tok/s min", "speedup", "TTFT p50", "TPOT p50", "TPOT p99", "lat mean",
+                  "lat p50", "lat p90", "lat p99", "goodput tok/s", "drafted", "accepted", "acc len", "K chosen",
+                  "errors"]
+        table = []
+        for cfg, r in rows.items():
+            table.append([cfg, fmt(r["repeat_tokens_per_s"]["median"]), fmt(r["repeat_tokens_per_s"]["min"]),
+                          fmt(r["speedup"]), _ms(r["ttft_s"]["p50"]), _ms(r["tpot_s"]["p50"]), _ms(r["tpot_s"]["p99"]),
+                          _ms(r["latency_s"]["mean"]), _ms(r["latency_s"]["p50"]), _ms(r["latency_s"]["p90"]),
+                          _ms(r["latency_s"]["p99"]), fmt(r["request_goodput_tokens_per_s"]), str(r["drafted"]),
+                          str(r["accepted"]), fmt(r["acceptance_length"]), _kdist(r["k_distribution"]),
+                          str(r["errors"])])
+        lines += _table(header, table) + [""]
+        tasks = sorted({t for r in rows.values() for t in r["by_task"]})
+        lines += [f"### Speedup by task (temperature {temp}; acceptance length in brackets)", ""]
+        table = [[cfg] + [f"{fmt(r['by_task'][t]['speedup'])} ({fmt(r['by_task'][t]['acceptance_length'])})"
+                          if t in r["by_task"] else "-" for t in tasks] for cfg, r in rows.items()]
+        lines += _table(["config"] + tasks, table) + [""]
+
+    ll = summary["lossless"]
+    lines += ["## Losslessness (greedy, token by token against `none` with logprobs)", ""]
+    table = [[cfg, str(c["compared"]), str(c["mismatches"]), str(c["near_tie"]), str(c["large_gap"]),
+              str(c["unknown_gap"])] for cfg, c in ll["by_config"].items()]
+    lines += _table(["config", "compared", "mismatches", "near-tie", "large gap", "gap unknown"], table)
+    lines += ["", f"Near-tie: the reference's top-1 minus top-2 logprob < {ll['tie_gap']} nats at the first "
+              "divergent position (numerics); a large gap means speculation changed the output (a bug).", ""]
+    if ll["mismatches"]:
+        table = [[m["config"], m["prompt_id"], m["task"], str(m["repeat"]), str(m["position"]),
+                  str(m["reference_token"]), str(m["token"]), fmt(m["gap"], 4), m["verdict"]]
+                 for m in ll["mismatches"][:200]]
+        lines += _table(["config", "prompt", "task", "repeat", "position", "ref token", "token", "gap", "verdict"],
+                        table) + [""]
+
+    if summary["load"]:
+        lines += ["## Load (closed loop, greedy; level 1 is the one-stream comparison)", ""]
+        header = ["config", "streams", "requests", "throughput tok/s", "goodput tok/s", "TTFT p50", "TTFT p99",
+                  "TPOT p50", "TPOT p99", "ITL p99", "lat p50", "lat p99", "acc len", "K chosen", "errors"]
+        table = []
+        for cfg, levels in summary["load"].items():
+            for c, r in levels.items():
+                one = c == "1"  # the interleaved comparison: per-request rates, not wall span
+                tput = r["request_tokens_per_s" if one else "throughput_tokens_per_s"]
+                good = r["request_goodput_tokens_per_s" if one else "goodput_tokens_per_s"]
+                table.append([cfg, c, str(r["requests"]), fmt(tput), fmt(good),
+                              _ms(r["ttft_s"]["p50"]), _ms(r["ttft_s"]["p99"]), _ms(r["tpot_s"]["p50"]),
+                              _ms(r["tpot_s"]["p99"]), _ms(r["itl_s"]["p99"]), _ms(r["latency_s"]["p50"]),
+                              _ms(r["latency_s"]["p99"]), fmt(r["acceptance_length"]), _kdist(r["k_distribution"]),
+                              str(r["errors"])])
+        lines += _table(header, table) + [""]
+    if summary["poisson"]:
+        lines += ["## Open loop (Poisson arrivals)", ""]
+        header = ["config", "requests", "throughput tok/s", "goodput tok/s", "good", "TTFT p50", "TTFT p99",
+                  "TPOT p99", "lat p50", "lat p99", "acc len", "K chosen", "errors"]
+        table = [[cfg, str(r["requests"]), fmt(r["throughput_tokens_per_s"]), fmt(r["goodput_tokens_per_s"]),
+                  str(r["good_requests"]), _ms(r["ttft_s"]["p50"]), _ms(r["ttft_s"]["p99"]), _ms(r["tpot_s"]["p99"]),
+                  _ms(r["latency_s"]["p50"]), _ms(r["latency_s"]["p99"]), fmt(r["acceptance_length"]),
+                  _kdist(r["k_distribution"]), str(r["errors"])] for cfg, r in summary["poisson"].items()]
+        lines += _table(header, table) + [""]
+    return "\n".join(lines) + "\n"
+
+
+# -- files ---------------------------------------------------------------------------------------------
+
+
+def plot(summary: dict[str, Any], folder: Path) -> list[Path]:
+    """The PNG plots; returns the files written (none when there is nothing to draw)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    greedy = summary["comparison"].get("0")
+    if greedy:
+        tasks = sorted({t for r in greedy.values() for t in r["by_task"]})
+        cfgs = [c for c in greedy if c != NONE]
+        if tasks and cfgs:
+            fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(tasks) * max(1, len(cfgs)) / 3), 4.5))
+            width = 0.8 / len(cfgs)
+            for i, cfg in enumerate(cfgs):
+                ys = [greedy[cfg]["by_task"].get(t, {}).get("speedup", math.nan) for t in tasks]
+                ax.bar([x + i * width for x in range(len(tasks))], ys, width, label=cfg)
+            ax.axhline(1.0, color="black", linewidth=0.8)
+            ax.set_xticks([x + 0.4 - width / 2 for x in range(len(tasks))], tasks, rotation=20)
+            ax.set_ylabel("speedup vs none (tokens/s)")
+            ax.set_title("Greedy, one stream: speedup by task")
+            ax.legend(fontsize=7, ncol=2)
+            fig.tight_layout()
+            written.append(folder / "speedup_by_task.png")
+            fig.savefig(written[-1], dpi=110)
+            plt.close(fig)
+    if summary["load"]:
+        for name, key, ylabel in (("load_throughput.png", "throughput", "output tokens/s"),
+                                  ("load_p99_latency.png", "p99", "p99 latency (s)")):
+            fig, ax = plt.subplots(figsize=(6.5, 4.5))
+            for cfg, levels in summary["load"].items():
+                xs = sorted(int(c) for c in levels)
+                if key == "throughput":
+                    ys = [levels[str(c)]["request_tokens_per_s" if c == 1 else "throughput_tokens_per_s"] for c in xs]
+                else:
+                    ys = [levels[str(c)]["latency_s"]["p99"] for c in xs]
+                ax.plot(xs, ys, marker="o", label=cfg)
+            ax.set_xscale("log", base=2)
+            ticks = sorted({int(c) for levels in summary["load"].values() for c in levels})
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.set_xlabel("concurrent streams (closed loop, greedy)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{ylabel} against concurrency")
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            written.append(folder / name)
+            fig.savefig(written[-1], dpi=110)
+            plt.close(fig)
+    return written
+
+
+def _clean(o: Any) -> Any:
+    if isinstance(o, float) and (math.isnan(o) or math.isinf(o)):
+        return None
+    if isinstance(o, dict):
+        return {k: _clean(v) for k, v in o.items()}
+    if isinstance(o, list):
+        return [_clean(v) for v in o]
+    return o
+
+
+def write_results(folder: Path, samples: list[Sample], meta: dict[str, Any], summary: dict[str, Any],
+                  plots: bool = True) -> dict[str, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {"samples": folder / "samples.json", "summary": folder / "summary.json", "report": folder / "report.md"}
+    files["samples"].write_text(json.dumps(_clean({"meta": meta, "samples": [s.to_dict() for s in samples]})))
+    files["summary"].write_text(json.dumps(_clean(summary), indent=1))
+    files["report"].write_text(render_markdown(summary, meta))
+    if plots:
+        for path in plot(summary, folder):
+            files[path.stem] = path
+    return files
+
+
+def load_samples(path: Path) -> tuple[dict, list[Sample]]:
+    data = json.loads(Path(path).read_text())
+    return data.get("meta", {}), [Sample.from_dict(d) for d in data["samples"]]

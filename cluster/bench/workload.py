@@ -1,0 +1,101 @@
+"""Benchmark prompts: Spec-Bench-format JSONL in, a seeded, per-task selection of `Prompt`s out.
+
+A line is `{"question_id", "category", "turns": [...]}`; only the first turn is sent, as one user
+message (the server applies the chat template). Spec-Bench's six *tasks* are the reporting groups:
+its eight MT-bench categories form the task `mt_bench`; every other category is its own task.
+The default file ships with the package (`cluster/data/specbench-dev.jsonl`, Apache-2.0, see
+`cluster/data/SPEC-BENCH-LICENSE`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+DEFAULT_PROMPTS_PATH = Path(__file__).resolve().parent.parent / "data" / "specbench-dev.jsonl"
+
+MT_BENCH_CATEGORIES = frozenset(
+    {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+)
+
+# Spec-Bench category -> the router's workload class, for the optional `--hint-workload-class`.
+WORKLOAD_CLASS_OF = {
+    "writing": "creative", "roleplay": "creative", "reasoning": "reasoning", "math": "math",
+    "coding": "code", "extraction": "extraction", "stem": "qa", "humanities": "qa",
+    "translation": "translation", "summarization": "summarization", "qa": "qa",
+    "math_reasoning": "math", "rag": "rag",
+}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    question_id: str
+    category: str  # the file's category
+    task: str  # the reporting group (Spec-Bench task)
+    text: str  # the first turn
+
+    @property
+    def messages(self) -> list[dict]:
+        return [{"role": "user", "content": self.text}]
+
+    @property
+    def workload_class(self) -> Optional[str]:
+        return WORKLOAD_CLASS_OF.get(self.category)
+
+
+class WorkloadError(ValueError):
+    """A prompt file that does not have the Spec-Bench format; the message names the line."""
+
+
+def task_of(category: str) -> str:
+    return "mt_bench" if category in MT_BENCH_CATEGORIES else category
+
+
+def parse_lines(lines: list[str], source: str = "<prompts>") -> list[Prompt]:
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            turns = obj["turns"]
+            if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0]:
+                raise ValueError("`turns` must be a non-empty list whose first item is a non-empty string")
+            prompts.append(Prompt(question_id=str(obj["question_id"]), category=str(obj["category"]),
+                                  task=task_of(str(obj["category"])), text=turns[0]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise WorkloadError(f"{source}:{n}: {type(e).__name__}: {e} "
+                                "(expected question_id, category, turns)") from None
+    if not prompts:
+        raise WorkloadError(f"{source}: no prompts")
+    return prompts
+
+
+def load_prompts(path: Optional[str | Path] = None) -> list[Prompt]:
+    path = Path(path) if path else DEFAULT_PROMPTS_PATH
+    return parse_lines(path.read_text(encoding="utf-8").splitlines(), str(path))
+
+
+def select(prompts: list[Prompt], per_task: int, seed: int = 0, tasks: Optional[list[str]] = None,
+           max_prompt_chars: Optional[int] = None) -> list[Prompt]:
+    """Up to `per_task` prompts of each task (seeded draw, stable under file order), grouped by task.
+
+    Prompts longer than `max_prompt_chars` are skipped (they would not fit the engines' context).
+    `tasks` filters by task or by file category.
+    """
+    by_task: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        if tasks and p.task not in tasks and p.category not in tasks:
+            continue
+        if max_prompt_chars and len(p.text) > max_prompt_chars:
+            continue
+        by_task.setdefault(p.task, []).append(p)
+    chosen = []
+    for task in sorted(by_task):
+        group = sorted(by_task[task], key=lambda p: p.question_id)
+        rng = random.Random(f"{seed}:{task}")
+        chosen.extend(rng.sample(group, min(per_task, len(group))))
+    return chosen

@@ -1,0 +1,135 @@
+"""Metric math against values computed by hand (the numbers in the comments)."""
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cluster.bench.metrics import (Sample, Slo, best_k_per_mode, check_lossless, distribution, first_divergence,
+                                   itl_s, logit_gap, meets_slo, percentile, repeat_spread, speedup, summarize,
+                                   tpot_s)
+
+
+def mk(config="c", ttft=0.5, lat=2.5, tokens=5, start=0.0, repeat=0, ok=True, spec=None, chunks=None, task="qa",
+       pid="1", temp=0.0, logprobs=None, token_ids=None):
+    return Sample(phase="compare", config=config, prompt_id=pid, category=task, task=task, temperature=temp,
+                  concurrency=1, repeat=repeat, ok=ok, start_s=start, end_s=start + lat, ttft_s=ttft, latency_s=lat,
+                  chunk_times_s=chunks or [], token_ids=token_ids if token_ids is not None else list(range(tokens)),
+                  spec=spec or {}, logprobs=logprobs)
+
+
+def test_percentile_linear_interpolation():
+    xs = [4.0, 1.0, 3.0, 2.0]  # sorted 1 2 3 4; p50 at rank 1.5 -> 2.5; p90 at 2.7 -> 3.7; p99 at 2.97 -> 3.97
+    assert percentile(xs, 50) == pytest.approx(2.5)
+    assert percentile(xs, 90) == pytest.approx(3.7)
+    assert percentile(xs, 99) == pytest.approx(3.97)
+    assert percentile(xs, 0) == 1.0 and percentile(xs, 100) == 4.0
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
+
+
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=50), st.floats(0, 100))
+def test_percentile_matches_numpy(xs, q):
+    np = pytest.importorskip("numpy")
+    assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-9, abs=1e-6)
+
+
+def test_distribution_skips_missing():
+    d = distribution([1.0, None, 3.0, float("nan")])
+    assert d["n"] == 2 and d["mean"] == 2.0 and d["p50"] == 2.0 and d["min"] == 1.0 and d["max"] == 3.0
+    assert distribution([])["n"] == 0
+
+
+def test_tpot_and_itl():
+    s = mk(ttft=0.5, lat=2.5, tokens=5, chunks=[0.5, 1.0, 1.75, 2.5])
+    assert tpot_s(s) == pytest.approx(0.5)  # (2.5 - 0.5) / (5 - 1)
+    assert itl_s(s) == pytest.approx([0.5, 0.75, 0.75])
+    assert tpot_s(mk(tokens=1)) is None and tpot_s(mk(ok=False)) is None
+
+
+def test_slo():
+    s = mk(ttft=0.5, lat=2.5, tokens=5)  # TPOT 0.5
+    assert meets_slo(s, Slo())
+    assert meets_slo(s, Slo(ttft_s=0.5, tpot_s=0.5, latency_s=2.5))  # limits are inclusive
+    assert not meets_slo(s, Slo(ttft_s=0.4))
+    assert not meets_slo(s, Slo(tpot_s=0.49))
+    assert not meets_slo(s, Slo(latency_s=2.4))
+    assert meets_slo(mk(tokens=1), Slo(tpot_s=0.01))  # one token: no TPOT to miss
+    assert not meets_slo(mk(ok=False), Slo())
+
+
+def test_summarize_hand_computed():
+    a = mk(ttft=0.5, lat=2.5, tokens=5, start=0.0, spec={"mode": "ngram", "k": 2, "steps": 3, "drafted": 6, "accepted": 2})
+    b = mk(ttft=1.0, lat=3.0, tokens=3, start=1.0, spec={"mode": "ngram", "k": 2, "steps": 2, "drafted": 4, "accepted": 1})
+    c = mk(ttft=0.2, lat=0.7, tokens=2, start=3.5, spec={"mode": "none", "k": 0, "steps": 2})
+    bad = mk(ok=False, start=2.0, lat=0.1, tokens=0)
+    r = summarize([a, b, c, bad], Slo(tpot_s=0.6))
+    assert r["requests"] == 4 and r["errors"] == 1 and r["output_tokens"] == 10
+    assert r["request_tokens_per_s"] == pytest.approx(10 / 6.2)  # 10 tokens over 2.5 + 3.0 + 0.7 s
+    assert r["span_s"] == pytest.approx(4.2)  # first start 0.0, last end 3.5 + 0.7
+    assert r["throughput_tokens_per_s"] == pytest.approx(10 / 4.2)
+    # TPOTs: a 0.5, b 1.0, c 0.5 -> a and c meet 0.6: 7 tokens
+    assert r["good_requests"] == 2 and r["goodput_tokens_per_s"] == pytest.approx(7 / 4.2)
+    assert r["request_goodput_tokens_per_s"] == pytest.approx(7 / 6.2)
+    assert r["tpot_s"]["mean"] == pytest.approx(2.0 / 3)
+    assert r["ttft_s"]["p50"] == pytest.approx(0.5) and r["latency_s"]["p90"] == pytest.approx(2.9)
+    # steps 7, accepted 3, drafted 10
+    assert r["acceptance_length"] == pytest.approx(1 + 3 / 7) and r["acceptance_rate"] == pytest.approx(0.3)
+    assert r["k_distribution"] == {"ngram:2": 2, "none:0": 1}
+
+
+def test_repeat_spread_and_speedup():
+    # repeat 0: 10 tokens / 2 s = 5; repeat 1: 12 / 2 = 6; repeat 2: 9 / 1 = 9 -> min 5, median 6
+    ss = [mk(tokens=4, lat=1.0, repeat=0), mk(tokens=6, lat=1.0, repeat=0), mk(tokens=12, lat=2.0, repeat=1),
+          mk(tokens=9, lat=1.0, repeat=2), mk(ok=False, repeat=2)]
+    r = repeat_spread(ss)
+    assert r == {"repeats": 3, "min": 5.0, "median": 6.0}
+    assert speedup(6.0, 4.0) == 1.5 and math.isnan(speedup(6.0, 0.0))
+    assert repeat_spread([])["repeats"] == 0
+
+
+def test_best_k_per_mode():
+    rows = {"none": 10.0, "ngram:1": 11.0, "ngram:2": 13.0, "ngram:3": 12.0, "draft_model:1": 8.0,
+            "draft_model:2": float("nan"), "auto": 20.0}
+    names = {"ngram:1": ("ngram", 1), "ngram:2": ("ngram", 2), "ngram:3": ("ngram", 3),
+             "draft_model:1": ("draft_model", 1), "draft_model:2": ("draft_model", 2)}
+    assert best_k_per_mode(rows, names) == {"ngram": "ngram:2", "draft_model": "draft_model:1"}
+
+
+def test_first_divergence_and_gap():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2, 3], [1, 2]) == 2
+    assert first_divergence([], [4]) == 0
+    assert logit_gap({7: -0.25, 9: -1.5}) == pytest.approx(1.25)
+    assert logit_gap({9: -1.5, 7: -0.25, 3: -3.0}) == pytest.approx(1.25)
+    assert logit_gap({7: -0.1}) is None and logit_gap(None) is None
+
+
+def test_check_lossless_classifies_by_reference_gap():
+    lps = [{10: -0.1, 11: -2.1}, {20: -0.5, 21: -0.51}, {30: -0.2, 31: -3.2}]
+    ref = mk(config="none", pid="p", token_ids=[10, 20, 30], logprobs=lps)
+    same = mk(config="none", pid="p", token_ids=[10, 20, 30])
+    tie = mk(config="ngram:2", pid="p", token_ids=[10, 21, 30])  # gap 0.01 at position 1
+    bug = mk(config="ngram:3", pid="p", token_ids=[10, 20, 31], repeat=1)  # gap 3.0 at position 2
+    longer = mk(config="draft_model:1", pid="p", token_ids=[10, 20, 30, 40])  # no reference logprob there
+    sampled = mk(config="ngram:3", pid="p", token_ids=[1, 2, 3], temp=0.7)  # not compared
+    other = mk(config="ngram:3", pid="q", token_ids=[1])  # no reference: not compared
+    counts, mism = check_lossless({"p": ref}, [same, tie, bug, longer, sampled, other], tie_gap=0.05)
+    assert counts["none"] == {"compared": 1, "mismatches": 0, "near_tie": 0, "large_gap": 0, "unknown_gap": 0}
+    assert counts["ngram:2"]["near_tie"] == 1 and counts["ngram:3"]["large_gap"] == 1
+    assert counts["ngram:3"]["compared"] == 1 and counts["draft_model:1"]["unknown_gap"] == 1
+    by = {m.config: m for m in mism}
+    assert (by["ngram:2"].position, by["ngram:2"].reference_token, by["ngram:2"].token) == (1, 20, 21)
+    assert by["ngram:2"].gap == pytest.approx(0.01) and by["ngram:2"].verdict == "near-tie"
+    assert by["ngram:3"].gap == pytest.approx(3.0) and by["ngram:3"].verdict == "large-gap" and by["ngram:3"].repeat == 1
+    assert by["draft_model:1"].position == 3 and by["draft_model:1"].reference_token is None
+    assert by["draft_model:1"].token == 40 and by["draft_model:1"].verdict == "unknown-gap"
+
+
+def test_sample_json_roundtrip_keeps_int_token_keys():
+    s = mk(logprobs=[{5: -0.1, 6: -2.0}])
+    d = s.to_dict()
+    assert d["logprobs"] == [{"5": -0.1, "6": -2.0}]
+    assert Sample.from_dict(d) == s

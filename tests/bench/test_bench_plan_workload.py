@@ -1,0 +1,125 @@
+"""Configuration discovery and parsing, interleaved order, the estimate, and prompt loading."""
+
+import json
+from collections import Counter
+
+import pytest
+
+from cluster.bench import plan as P
+from cluster.bench.workload import (DEFAULT_PROMPTS_PATH, WorkloadError, load_prompts, parse_lines, select,
+                                    task_of)
+
+POOLS = [{"name": "ngram", "method": "ngram", "max_k": 6, "modes": ["ngram", "none"]},
+         {"name": "draft", "method": "draft_model", "max_k": 4, "modes": ["draft_model"]}]
+
+
+def names(cfgs):
+    return [c.name for c in cfgs]
+
+
+def test_discover_configs_local_cpu_pools():
+    assert P.mode_max_k(POOLS) == {"ngram": 6, "none": 0, "draft_model": 4}
+    got = names(P.discover_configs(POOLS))
+    assert got == ["none"] + [f"ngram:{k}" for k in range(1, 7)] + [f"draft_model:{k}" for k in range(1, 5)] + ["auto"]
+    assert names(P.quick_configs(POOLS)) == ["none", "ngram:3", "draft_model:2", "auto"]
+
+
+def test_parse_configs_and_overrides():
+    max_k = P.mode_max_k(POOLS)
+    cfgs = P.parse_configs("none,ngram:2,ngram:4,draft_model:2,auto,ngram:2", max_k)
+    assert names(cfgs) == ["none", "ngram:2", "ngram:4", "draft_model:2", "auto"]
+    assert [c.speculative() for c in cfgs] == [{"mode": "none"}, {"mode": "ngram", "k": 2}, {"mode": "ngram", "k": 4},
+                                               {"mode": "draft_model", "k": 2}, None]
+    assert [c.is_speculative for c in cfgs] == [False, True, True, True, False]
+    assert names(P.parse_configs("draft_model:*", max_k)) == [f"draft_model:{k}" for k in range(1, 5)]
+    assert P.parse_configs("ngram", max_k)[0].speculative() == {"mode": "ngram"}
+    assert names(P.parse_configs("ngram:0")) == ["none"]
+    assert names(P.parse_configs("eagle:3")) == ["eagle:3"]  # nothing to check against without pools
+    for bad in ("ngram:7", "eagle:1", "ngram:x", ",", "ngram:*x"):
+        with pytest.raises(ValueError):
+            P.parse_configs(bad, max_k)
+    with pytest.raises(ValueError):
+        P.parse_configs("ngram:*")  # needs the pools
+
+
+def test_interleaved_order_balances_positions():
+    order = P.interleaved_order(3, 6, 2)
+    assert len(order) == 36 and len(set(order)) == 36
+    # Each prompt of each repeat runs all three configurations back to back.
+    for i in range(0, 36, 3):
+        block = order[i:i + 3]
+        assert len({(r, p) for r, p, _ in block}) == 1 and sorted(c for _, _, c in block) == [0, 1, 2]
+    # Every configuration is first (and last) equally often.
+    firsts = Counter(order[i][2] for i in range(0, 36, 3))
+    assert firsts == {0: 4, 1: 4, 2: 4}
+    assert P.interleaved_order(2, 1, 2) == [(0, 0, 0), (0, 0, 1), (1, 0, 1), (1, 0, 0)]
+
+
+def test_sweep_sizes_and_estimate():
+    assert P.sweep_requests(1, 12) == 12 and P.sweep_requests(32, 12) == 64
+    assert P.aggregate_tokens_per_s(1, 10.0) == 10.0
+    assert P.aggregate_tokens_per_s(16, 10.0) == pytest.approx(160 / 3.25)
+    shape = P.PlanShape(n_compare_configs=2, n_prompts=3, max_tokens=40, greedy_repeats=2, sampled_temperatures=1,
+                        sampled_repeats=1, n_sweep_configs=1, concurrency_levels=(1, 4), n_sweep_prompts=3,
+                        poisson_duration_s=10.0, n_warmup_modes=1)
+    est = P.estimate_s(shape, 10.0, per_request_overhead_s=0.0)
+    assert est["compare_greedy"] == pytest.approx(2 * 3 * 2 * 4.0)  # 12 requests x 4 s
+    assert est["compare_sampled"] == pytest.approx(6 * 4.0)
+    assert est["sweep"] == pytest.approx(8 * 40 / (10 * 4 / 1.45))  # 8 requests at 4 streams
+    assert est["poisson"] == pytest.approx(14.0)
+    assert est["warmup"] == pytest.approx(3 * 4.0 + 2 * 0.8)
+    assert est["total"] == pytest.approx(sum(v for k, v in est.items() if k != "total"))
+
+
+def test_full_and_quick_presets_fit_their_budgets_at_12_tokens_per_s():
+    from cluster.bench.cli import PRESETS
+
+    for name, budget_s, configs in (("quick", 6 * 60, P.quick_configs(POOLS)), ("full", 45 * 60, P.discover_configs(POOLS))):
+        pre = PRESETS[name]
+        levels = tuple(int(x) for x in pre["concurrency"].split(","))
+        n_modes = 2
+        shape = P.PlanShape(n_compare_configs=len(configs), n_prompts=6 * pre["prompts_per_task"],
+                            max_tokens=pre["max_tokens"], greedy_repeats=pre["repeats"],
+                            sampled_temperatures=len([t for t in pre["temperatures"].split(",") if float(t) > 0]),
+                            sampled_repeats=pre["sampled_repeats"], n_sweep_configs=2 + n_modes,
+                            concurrency_levels=levels, n_sweep_prompts=6 * pre["prompts_per_task"],
+                            poisson_duration_s=pre["duration_s"] if pre["rate"] else 0.0, n_warmup_modes=n_modes)
+        est = P.estimate_s(shape, 12.0)
+        # sampled runs use none, best (one per mode), auto
+        total = est["total"] - est["compare_sampled"] * (1 - (2 + n_modes) / len(configs))
+        assert total < budget_s, (name, total / 60)
+
+
+def test_default_prompt_file_ships_and_groups_into_six_tasks():
+    prompts = load_prompts()
+    assert DEFAULT_PROMPTS_PATH.name == "specbench-dev.jsonl"
+    assert "Apache License" in (DEFAULT_PROMPTS_PATH.parent / "SPEC-BENCH-LICENSE").read_text()
+    assert len(prompts) == 240
+    tasks = Counter(p.task for p in prompts)
+    assert tasks == {"mt_bench": 40, "translation": 40, "summarization": 40, "qa": 40, "math_reasoning": 40, "rag": 40}
+    assert task_of("coding") == "mt_bench" and task_of("rag") == "rag"
+
+
+def test_select_is_seeded_per_task_and_filters():
+    prompts = load_prompts()
+    a = select(prompts, 2, seed=0)
+    assert len(a) == 12 and Counter(p.task for p in a) == {t: 2 for t in
+                                                          ("mt_bench", "translation", "summarization", "qa",
+                                                           "math_reasoning", "rag")}
+    assert a == select(list(reversed(prompts)), 2, seed=0)  # independent of file order
+    assert a != select(prompts, 2, seed=1)
+    short = select(prompts, 50, tasks=["summarization"], max_prompt_chars=2000)
+    assert short and all(p.task == "summarization" and len(p.text) <= 2000 for p in short)
+    assert {p.category for p in select(prompts, 3, tasks=["coding"])} == {"coding"}
+    assert a[0].messages == [{"role": "user", "content": a[0].text}]
+
+
+def test_parse_lines_first_turn_and_errors():
+    lines = [json.dumps({"question_id": 7, "category": "rag", "turns": ["first", "second"]}), ""]
+    (p,) = parse_lines(lines)
+    assert (p.question_id, p.category, p.task, p.text, p.workload_class) == ("7", "rag", "rag", "first", "rag")
+    for bad in ('{"question_id": 1, "category": "x"}', '{"question_id": 1, "category": "x", "turns": []}', "not json"):
+        with pytest.raises(WorkloadError, match=":1:"):
+            parse_lines([bad], "f.jsonl")
+    with pytest.raises(WorkloadError):
+        parse_lines([])

@@ -6,6 +6,7 @@ Each subcommand is a small function; the work is done by the modules it calls.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -135,15 +136,16 @@ def cmd_generate(args) -> int:
                 sys.stdout.flush()
                 final = chunk
             print()
-            stats = final.spec if final is not None else {}
+            spec = final.spec if final is not None else None
         else:
             result = client.generate(prompt=prompt, messages=messages, **kwargs)
             print(result.text)
-            stats = result.spec
+            spec = result.spec
     except ClientError as e:
         print(f"specserve generate: {e}", file=sys.stderr)
         return 1
-    print(json.dumps({k: v for k, v in (stats or {}).items() if k != "token_ids"}), file=sys.stderr)
+    stats = dataclasses.asdict(spec) if spec is not None else {}
+    print(json.dumps({k: v for k, v in stats.items() if k not in ("token_ids", "logprobs")}), file=sys.stderr)
     return 0
 
 
@@ -151,6 +153,8 @@ def cmd_status(args) -> int:
     import httpx
 
     out: dict = {"url": args.url}
+    if args.config:
+        out["redis"] = _redis_reachability(args.config)
     try:
         r = httpx.get(f"{args.url}/v1/specserve/status", timeout=5)
         out["router"] = r.json()
@@ -175,6 +179,23 @@ def cmd_status(args) -> int:
         out["ray"] = f"not reachable: {type(e).__name__}: {e}"
     print(json.dumps(out, indent=2))
     return 0 if out.get("healthy") else 1
+
+
+def _redis_reachability(config_path: str) -> dict:
+    import redis
+
+    from cluster.config import load_config
+
+    cfg = load_config(config_path)
+    client = redis.Redis.from_url(cfg.redis.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    try:
+        t0 = time.perf_counter()
+        client.ping()
+        return {"url": cfg.redis.url, "reachable": True, "ping_ms": round(1000 * (time.perf_counter() - t0), 2)}
+    except redis.RedisError as e:
+        return {"url": cfg.redis.url, "reachable": False, "error": str(e)[:200]}
+    finally:
+        client.close()
 
 
 def cmd_prepare(args) -> int:
@@ -227,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", help="pools, replicas, Redis reachability")
     s.add_argument("--url", default=DEFAULT_URL)
+    s.add_argument("--config", default=None, help="also ping this config's Redis directly")
     s.set_defaults(func=cmd_status)
 
     pr = sub.add_parser("prepare", help="prepare (convert, cache) the models of a config")

@@ -49,11 +49,13 @@ class SpecInfo:
     decided_by: Optional[str] = None
     workload_class: Optional[str] = None
     steps: int = 0
+    spec_steps: int = 0
     drafted: int = 0
     accepted: int = 0
     acceptance_length: float = 1.0
     acceptance_rate: float = 0.0
     accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     ttft_s: Optional[float] = None  # measured by the server
     latency_s: Optional[float] = None  # measured by the server
@@ -68,19 +70,23 @@ class SpecInfo:
             replica=None if d.get("replica") is None else str(d.get("replica")),
             mode=str(d.get("mode") or "none"), k=int(d.get("k") or 0),
             decided_by=d.get("decided_by"), workload_class=d.get("workload_class"),
-            steps=int(d.get("steps") or 0), drafted=int(d.get("drafted") or 0),
+            steps=int(d.get("steps") or 0), spec_steps=int(d.get("spec_steps") or 0),
+            drafted=int(d.get("drafted") or 0),
             accepted=int(d.get("accepted") or 0),
             acceptance_length=float(d.get("acceptance_length") or 1.0),
             acceptance_rate=float(d.get("acceptance_rate") or 0.0),
             accepted_per_position=[int(x) for x in d.get("accepted_per_position") or []],
+            drafted_per_position=[int(x) for x in d.get("drafted_per_position") or []],
             token_ids=[int(t) for t in d.get("token_ids") or []],
             ttft_s=_opt_float(d.get("ttft_s")), latency_s=_opt_float(d.get("latency_s")),
             logprobs=None if lps is None else [{int(t): float(v) for t, v in pos.items()} for pos in lps],
         )
 
     def stats(self) -> SpecStats:
-        return SpecStats(mode=self.mode, k=self.k, steps=self.steps, drafted=self.drafted,
-                         accepted=self.accepted, accepted_per_position=list(self.accepted_per_position))
+        return SpecStats(mode=self.mode, k=self.k, steps=self.steps, spec_steps=self.spec_steps,
+                         drafted=self.drafted, accepted=self.accepted,
+                         accepted_per_position=list(self.accepted_per_position),
+                         drafted_per_position=list(self.drafted_per_position))
 
 
 @dataclass

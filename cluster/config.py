@@ -134,6 +134,9 @@ class RouterConfig(_Strict):
     )
     replicas: int = Field(1, ge=1, description="Router (ingress) replicas.")
     max_ongoing_requests: int = Field(256, ge=1, description="Requests one router replica admits at once.")
+    max_queued_requests: int = Field(
+        512, ge=-1, description="Requests queued at the proxies for the router before they answer 503 (-1: no bound)."
+    )
 
     @field_validator("default_mode")
     @classmethod

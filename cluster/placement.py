@@ -14,7 +14,7 @@ from typing import Any, Optional
 from cluster.config import ClusterConfig, PoolConfig
 
 GRPC_SERVICER_FUNCTIONS = [
-    "cluster._gen.specserve.v1.specserve_pb2_grpc.add_SpecServeServicer_to_server",
+    "specserve.v1.specserve_pb2_grpc.add_SpecServeServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 ]
 
@@ -80,6 +80,7 @@ def router_deployment_options(config: ClusterConfig) -> dict[str, Any]:
         name="router",
         num_replicas=r.replicas,
         max_ongoing_requests=r.max_ongoing_requests,
+        max_queued_requests=r.max_queued_requests,
         ray_actor_options={"num_cpus": 0},
     )
 

@@ -128,19 +128,23 @@ class Router:
                 gen.cancel()  # client went away or failed: abort in the engine, free its KV cache
 
     def _map_error(self, e: Exception, rid: str, d: Decision) -> ApiError:
-        name = type(e).__name__
-        if name == "BackPressureError":
+        """Ray / vLLM failures -> typed API errors (Ray's task errors are also instances of the cause)."""
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, TaskCancelledError
+        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
+
+        if isinstance(e, BackPressureError):
             return ApiError(ErrorCode.RESOURCE_EXHAUSTED, f"pool {d.pool!r} is overloaded; retry later",
                             retry_after_s=RETRY_AFTER_S)
-        if isinstance(e, asyncio.CancelledError) or name in ("RequestCancelledError", "TaskCancelledError"):
+        if isinstance(e, (asyncio.CancelledError, RequestCancelledError, TaskCancelledError)):
             return ApiError(ErrorCode.CANCELLED, "request cancelled")
-        text = str(e)
-        if "ValueError" in name or "ValueError" in text and ("longer than" in text or "maximum" in text):
-            return ApiError(ErrorCode.INVALID_ARGUMENT, f"prompt: {text.splitlines()[-1][:300]}", field="prompt")
-        if name in ("DeploymentUnavailableError", "ReplicaUnavailableError", "ActorDiedError", "RayActorError"):
-            return ApiError(ErrorCode.UNAVAILABLE, f"engine replica unavailable: {name}", retry_after_s=RETRY_AFTER_S)
+        if isinstance(e, ValueError):  # vLLM input validation (e.g. prompt longer than the context)
+            return ApiError(ErrorCode.INVALID_ARGUMENT, f"prompt: {str(e).strip().splitlines()[-1][:300]}",
+                            field="prompt")
+        if isinstance(e, (DeploymentUnavailableError, ActorDiedError, ActorUnavailableError, RayActorError)):
+            return ApiError(ErrorCode.UNAVAILABLE, f"engine replica unavailable ({type(e).__name__})",
+                            retry_after_s=RETRY_AFTER_S)
         log.exception("request %s (pool %s, mode %s, k %d) failed", rid, d.pool, d.mode.value, d.k)
-        return ApiError(ErrorCode.INTERNAL, f"internal error ({name}); request id {rid}")
+        return ApiError(ErrorCode.INTERNAL, f"internal error ({type(e).__name__}); request id {rid}")
 
     def _record(self, model: str, d: Decision, comp: Completion) -> None:
         if self.tuning is None:
@@ -215,7 +219,7 @@ class Router:
         return e
 
     async def Generate(self, request, grpc_context=None):
-        from cluster._gen.specserve.v1 import specserve_pb2 as pb
+        from specserve.v1 import specserve_pb2 as pb
         from cluster.wire import from_proto, generate_response_proto
 
         try:
@@ -224,7 +228,7 @@ class Router:
             raise self._grpc_fail(grpc_context, e) from None
 
     async def GenerateStream(self, request, grpc_context=None):
-        from cluster._gen.specserve.v1 import specserve_pb2 as pb
+        from specserve.v1 import specserve_pb2 as pb
         from cluster.wire import from_proto, spec_stats_proto, timing_proto
 
         try:
@@ -241,7 +245,7 @@ class Router:
             raise self._grpc_fail(grpc_context, e) from None
 
     async def ListModels(self, request, grpc_context=None):
-        from cluster._gen.specserve.v1 import specserve_pb2 as pb
+        from specserve.v1 import specserve_pb2 as pb
 
         out = pb.ListModelsResponse()
         for m in self.models_json()["data"]:
@@ -251,7 +255,7 @@ class Router:
         return out
 
     async def GetTuning(self, request, grpc_context=None):
-        from cluster._gen.specserve.v1 import specserve_pb2 as pb
+        from specserve.v1 import specserve_pb2 as pb
 
         out = pb.GetTuningResponse(redis_ok=bool(self.tuning is not None and getattr(self.tuning, "healthy", False)))
         if self.tuning is not None and hasattr(self.tuning, "table"):
@@ -294,10 +298,18 @@ class Router:
         return {"object": "list", "data": data}
 
     async def status(self) -> dict[str, Any]:
+        """Pools with this router's in-flight count and one engine replica's own load report."""
+        pools = {}
+        for n, p in self.config.pools.items():
+            entry: dict[str, Any] = {"method": p.method.value, "max_k": p.max_k, "inflight": self.inflight[n]}
+            try:
+                entry["engine"] = await asyncio.wait_for(self.engines[n].load.remote(), timeout=5)
+            except Exception as e:  # noqa: BLE001 - status reports what it could not read
+                entry["engine_error"] = f"{type(e).__name__}: {e}"[:200]
+            pools[n] = entry
         return {
             "models": self.served,
-            "pools": {n: {"method": p.method.value, "max_k": p.max_k, "inflight": self.inflight[n]}
-                      for n, p in self.config.pools.items()},
+            "pools": pools,
             "redis_ok": bool(self.tuning is not None and getattr(self.tuning, "healthy", False)),
         }
 

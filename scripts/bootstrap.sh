@@ -26,6 +26,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # next to the CPU torch ("operator torchvision::nms does not exist"); nothing here needs them.
     "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
+  # The gRPC stubs form the top-level package `specserve`; it must exist when the editable
+  # install records its packages, so generate, then refresh the (dependency-free) editable install.
+  PYTHON="$VENV/bin/python" scripts/gen_proto.sh >/dev/null
+  "$VENV/bin/pip" install -q --no-deps -e .
   echo "$want" > "$stamp"
 fi
 PYTHON="$VENV/bin/python" scripts/gen_proto.sh >/dev/null

@@ -23,9 +23,11 @@ def test_override_k_zero_is_plain_decoding():
     assert d.mode == SpecMode.NONE and d.k == 0 and d.pool == "ngram"
 
 
-def test_none_prefers_a_pool_without_proposer():
+def test_none_prefers_the_cheapest_proposer():
     assert route([NGRAM, PLAIN], ROUTER, "chat", "none", None).pool == "plain"
-    assert route([NGRAM, DRAFT], ROUTER, "chat", "none", None).k == 0
+    busy_ngram = PoolView("ngram", "m", SpecMode.NGRAM, 6, running=30)
+    d = route([busy_ngram, DRAFT], ROUTER, "chat", "none", None)
+    assert d.pool == "ngram" and d.k == 0
 
 
 @pytest.mark.parametrize("mode, k, field", [("eagle", None, "speculative.mode"), ("ngram", 7, "speculative.k"),

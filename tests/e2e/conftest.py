@@ -43,6 +43,10 @@ class Cluster:
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory) -> Cluster:
+    attach = os.environ.get("SPECSERVE_TEST_ATTACH")  # dev loop: a config of a cluster already up
+    if attach:
+        yield Cluster(Path(attach), yaml.safe_load(Path(attach).read_text()), None, Path(os.devnull))
+        return
     tmp = tmp_path_factory.mktemp("cluster")
     raw = yaml.safe_load(LOCAL_CONFIG.read_text())
     raw["api"]["http_port"] = _free_port()

@@ -95,16 +95,15 @@ def test_per_request_k_is_applied_inside_one_engine_concurrently(cluster):
         async with httpx.AsyncClient() as client:
             async def one(k):
                 t0 = time.monotonic()
-                r = await chat(client, cluster.http_url, text, 64, {"mode": "ngram", "k": k} if k else {"mode": "none"},
-                               ignore_eos=False)
+                r = await chat(client, cluster.http_url, text, 64, {"mode": "ngram", "k": k})
                 return r, t0, time.monotonic()
             return await asyncio.gather(*[one(k) for k in ks])
 
     results = asyncio.run(run())
     # They overlapped in time (all started before any finished), so they shared the engine's batches.
     assert max(t0 for _, t0, _ in results) < min(t1 for _, _, t1 in results)
-    texts = {r["specserve"]["replica"] for r, _, _ in results}
-    assert len(texts) == 1, f"expected one engine replica, got {texts}"
+    replicas = {r["specserve"]["replica"] for r, _, _ in results}
+    assert len(replicas) == 1, f"expected one engine replica, got {replicas}"
     base_tokens = results[0][0]["specserve"]["token_ids"]
     by_k: dict[int, list[dict]] = {}
     for k, (r, _, _) in zip(ks, results):

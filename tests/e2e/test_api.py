@@ -1,0 +1,160 @@
+"""Issue 5 end to end on the real cluster: gRPC unary and streaming, health and reflection, the
+OpenAI client over HTTP, errors with the field named, cancellation freeing the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import httpx
+import pytest
+
+from specserve.v1 import specserve_pb2 as pb
+from specserve.v1 import specserve_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def stub(cluster):
+    channel = grpc.insecure_channel(cluster.grpc_target)
+    grpc.channel_ready_future(channel).result(timeout=30)
+    yield pb_grpc.SpecServeStub(channel)
+    channel.close()
+
+
+def _req(text="Name three fruits.", max_tokens=16, mode=None, k=None, **kw):
+    spec = None
+    if mode is not None:
+        spec = pb.SpeculativeOverride(mode=mode, **({"k": k} if k is not None else {}))
+    return pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=text)],
+                              sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                              speculative=spec, **kw)
+
+
+def test_grpc_unary_and_stream_agree(stub):
+    unary = stub.Generate(_req(mode="ngram", k=3), timeout=300)
+    assert unary.text and unary.completion_tokens == len(unary.token_ids) > 0
+    assert unary.spec.mode in ("ngram", "none") and unary.spec.pool == "ngram"
+    assert unary.timing.ttft_s > 0 and unary.timing.latency_s >= unary.timing.ttft_s
+    chunks = list(stub.GenerateStream(_req(mode="ngram", k=3), timeout=300))
+    assert len(chunks) >= 2
+    assert [t for c in chunks for t in c.token_ids] == list(unary.token_ids)
+    assert "".join(c.text for c in chunks) == unary.text
+    last = chunks[-1]
+    assert last.finish_reason and last.spec.k == 3 and last.completion_tokens == len(unary.token_ids)
+
+
+def test_grpc_list_models_and_errors(stub):
+    models = stub.ListModels(pb.ListModelsRequest(), timeout=30)
+    assert models.models[0].name == "smollm2-135m"
+    assert {p.name for p in models.models[0].pools} == {"ngram", "draft"}
+    cases = [
+        (_req(mode="ngram", k=9), grpc.StatusCode.INVALID_ARGUMENT, "speculative.k"),
+        (_req(mode="warp"), grpc.StatusCode.INVALID_ARGUMENT, "speculative.mode"),
+        (_req(max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+        (_req(model="gpt-9"), grpc.StatusCode.NOT_FOUND, "model"),
+        (pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    ]
+    for request, code, field in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Generate(request, timeout=30)
+        assert e.value.code() == code, (request, e.value.details())
+        assert field in e.value.details()
+
+
+def test_grpc_health_and_reflection(cluster):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    channel = grpc.insecure_channel(cluster.grpc_target)
+    health = health_pb2_grpc.HealthStub(channel)
+    assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=30).status == \
+        health_pb2.HealthCheckResponse.SERVING
+    assert health.Check(health_pb2.HealthCheckRequest(service="specserve.v1.SpecServe"), timeout=30).status == \
+        health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.RpcError) as e:
+        health.Check(health_pb2.HealthCheckRequest(service="nope.Service"), timeout=30)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    resp = next(iter(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                               timeout=30)))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"specserve.v1.SpecServe", "grpc.health.v1.Health"} <= names
+    channel.close()
+
+
+def test_openai_client_chat_completion_and_stream(cluster):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="unused", max_retries=0)
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["smollm2-135m"]
+    r = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Say hi."}],
+                                       max_tokens=12, temperature=0,
+                                       extra_body={"specserve": {"speculative": {"mode": "ngram", "k": 2}}})
+    assert r.choices[0].message.content and r.usage.completion_tokens > 0
+    ext = r.model_extra["specserve"]
+    assert ext["mode"] in ("ngram", "none") and ext["k"] == 2 and "acceptance_length" in ext
+    stream = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Say hi."}],
+                                            max_tokens=12, temperature=0, stream=True,
+                                            extra_body={"specserve": {"speculative": {"mode": "ngram", "k": 2}}})
+    parts = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(parts) == r.choices[0].message.content
+    c = client.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert c.choices[0].text
+
+
+def test_http_errors_name_the_field(cluster):
+    url = cluster.http_url
+    msg = [{"role": "user", "content": "hi"}]
+    cases = [
+        ({"messages": msg, "max_tokens": -1}, 400, "max_tokens"),
+        ({"messages": msg, "specserve": {"speculative": {"mode": "ngram", "k": 7}}}, 400, "speculative.k"),
+        ({"messages": msg, "model": "nope"}, 404, "model"),
+        ({"messages": msg, "temperature": "hot"}, 400, "temperature"),
+        ({"messages": msg, "max_tokens": 5000}, 400, "max_tokens"),
+    ]
+    for body, status, field in cases:
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == status, (body, r.text)
+        assert r.json()["error"]["param"] == field, r.text
+    r = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "word " * 5000, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+def _engine_unfinished(url: str, pool: str) -> int:
+    return httpx.get(f"{url}/v1/specserve/status", timeout=30).json()["pools"][pool]["engine"]["unfinished"]
+
+
+def test_cancelled_stream_is_aborted_in_the_engine(cluster, stub):
+    url = cluster.http_url
+    assert _engine_unfinished(url, "ngram") == 0
+    body = {"messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+            "max_tokens": 1500, "stream": True, "specserve": {"speculative": {"mode": "none"}}, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events += 1
+            if events >= 3:
+                break  # hang up mid-stream
+    assert _engine_unfinished(url, "ngram") >= 0
+    deadline = time.monotonic() + 30
+    while _engine_unfinished(url, "ngram") != 0:
+        assert time.monotonic() < deadline, "engine still runs the cancelled HTTP request"
+        time.sleep(0.5)
+    # gRPC: a deadline mid-stream stops the generation too
+    with pytest.raises(grpc.RpcError) as e:
+        for _ in stub.GenerateStream(_req("Write a very long story about a dragon.", max_tokens=1500, mode="none"),
+                                     timeout=3):
+            pass
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 30
+    while _engine_unfinished(url, "ngram") != 0:
+        assert time.monotonic() < deadline, "engine still runs the gRPC request past its deadline"
+        time.sleep(0.5)

@@ -57,6 +57,9 @@ class ApiError(Exception):
         self.field = field
         self.retry_after_s = retry_after_s
 
+    def __reduce__(self):  # picklable across Ray (the gRPC proxy unpickles the replica's error)
+        return (ApiError, (self.code, self.message, self.field, self.retry_after_s))
+
     def to_openai(self) -> dict[str, Any]:
         return {
             "error": {

@@ -19,6 +19,10 @@ from cluster.vllm_scheduler import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS_PATH
 log = logging.getLogger("specserve.engine")
 
 
+class EngineInputError(ValueError):
+    """The engine refused the request's input (e.g. prompt plus max_tokens beyond the context)."""
+
+
 @dataclass
 class EngineRequest:
     """One generation request as the router hands it to an engine replica."""
@@ -178,7 +182,7 @@ class EngineServer:
         prompt = self._prompt(req)
         params = self._sampling_params(req)
         completion_tokens = 0
-        async for out in self.engine.generate(prompt, params, req.request_id):
+        async for out in self._engine_outputs(prompt, params, req.request_id):
             c = out.outputs[0]
             completion_tokens += len(c.token_ids)
             chunk = EngineChunk(text=c.text, token_ids=list(c.token_ids), replica=self.replica)
@@ -191,6 +195,16 @@ class EngineServer:
                 metrics = getattr(c, "spec_decode_metrics", None)
                 chunk.stats = stats_from_output(req.mode, req.k, completion_tokens, metrics).to_dict()
             yield chunk
+
+    async def _engine_outputs(self, prompt: str, params: Any, request_id: str):
+        """vLLM's output stream, with its input-validation errors turned into EngineInputError."""
+        from vllm.exceptions import VLLMClientError
+
+        try:
+            async for out in self.engine.generate(prompt, params, request_id):
+                yield out
+        except (VLLMClientError, ValueError) as e:
+            raise EngineInputError(str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__) from None
 
     async def load(self) -> dict[str, Any]:
         """Live load of this replica (cheap, non-blocking)."""

@@ -44,17 +44,34 @@ def start_cluster(config_path: str, wait_s: float = 900.0):
     ray.init(address=config.ray.address, num_cpus=config.ray.num_cpus if not config.ray.address else None,
              include_dashboard=False, logging_level=logging.WARNING,
              runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
+    tls = config.api.tls
+    http_tls = {}
+    if tls.enabled:
+        from cluster.tls import http_tls_options
+
+        http_tls = http_tls_options(tls.certfile, tls.keyfile)  # fails here on a bad certificate or key
     grpc = None
     if config.api.grpc_port:
-        grpc = gRPCOptions(port=config.api.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS)
-    serve.start(http_options=HTTPOptions(host=config.api.host, port=config.api.http_port), grpc_options=grpc)
+        reflection = not config.auth.enabled or config.auth.allow_unauthenticated_reflection
+        grpc = gRPCOptions(port=config.api.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS,
+                           enable_reflection=reflection)
+    serve.start(http_options=HTTPOptions(host=config.api.host, port=config.api.http_port, **http_tls),
+                grpc_options=grpc)
+    forwarder = None
+    if grpc is not None and tls.enabled:  # Ray's gRPC proxy has no TLS: a TLS listener in front of it
+        from cluster.tls import GrpcTlsForwarder, grpc_server_credentials
+
+        forwarder = GrpcTlsForwarder(f"{config.api.host}:{tls.grpc_tls_port}", f"127.0.0.1:{config.api.grpc_port}",
+                                     grpc_server_credentials(tls.certfile, tls.keyfile, tls.client_ca_file)).start()
     print("[specserve] deploying (engine start-up takes about a minute per engine on a small CPU)...")
     t0 = time.monotonic()
     serve.run(build_app({"config_path": config_path}), name=config.name, route_prefix="/", blocking=False)
     _wait_ready(config, wait_s)
-    print(f"[specserve] serving in {time.monotonic() - t0:.0f} s: HTTP http://{config.api.host}:{config.api.http_port}"
-          + (f"  gRPC {config.api.host}:{config.api.grpc_port}" if config.api.grpc_port else ""))
-    return config, redis_handle
+    scheme = "https" if tls.enabled else "http"
+    grpc_at = f"{config.api.host}:{tls.grpc_tls_port} (TLS)" if forwarder else f"{config.api.host}:{config.api.grpc_port}"
+    print(f"[specserve] serving in {time.monotonic() - t0:.0f} s: HTTP {scheme}://{config.api.host}:{config.api.http_port}"
+          + (f"  gRPC {grpc_at}" if config.api.grpc_port else ""))
+    return config, redis_handle, forwarder
 
 
 def _start_redis(config):
@@ -84,11 +101,13 @@ def _wait_ready(config, wait_s: float) -> None:
     raise TimeoutError(f"application {config.name} not running after {wait_s:.0f} s")
 
 
-def stop_cluster(redis_handle=None) -> None:
+def stop_cluster(redis_handle=None, forwarder=None) -> None:
     import ray
     from ray import serve
 
     try:
+        if forwarder is not None:
+            forwarder.stop()
         serve.shutdown()
     finally:
         ray.shutdown()
@@ -98,10 +117,11 @@ def stop_cluster(redis_handle=None) -> None:
 
 def cmd_up(args) -> int:
     from cluster.config import ConfigError
+    from cluster.tls import TlsConfigError
 
     try:
-        _, redis_handle = start_cluster(args.config, wait_s=args.wait_s)
-    except ConfigError as e:
+        _, redis_handle, forwarder = start_cluster(args.config, wait_s=args.wait_s)
+    except (ConfigError, TlsConfigError) as e:
         print(f"specserve up: {e}", file=sys.stderr)
         return 2
     stop = threading.Event()
@@ -111,7 +131,7 @@ def cmd_up(args) -> int:
     while not stop.wait(1.0):
         pass
     print("[specserve] stopping")
-    stop_cluster(redis_handle)
+    stop_cluster(redis_handle, forwarder)
     return 0
 
 
@@ -198,6 +218,40 @@ def _redis_reachability(config_path: str) -> dict:
         client.close()
 
 
+def cmd_tuning(args) -> int:
+    """Print the tuning table (per model, mode, workload class, load bucket) from Redis."""
+    from cluster.config import load_config
+    from cluster.tuning import TuningStore
+
+    cfg = load_config(args.config)
+    store = TuningStore(cfg.redis, models=tuple(cfg.served_models()), start=False)
+    models = [args.model] if args.model else cfg.served_models()
+    try:
+        reachable = all([store.refresh_now(m) for m in models])
+        rows = [row for m in models for row in store.table(m)]
+    finally:
+        store.close(flush=False)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    cols = ["model", "mode", "workload_class", "load_bucket", "chosen_k", "acceptance_length", "tokens_per_s",
+            "samples", "acceptance_per_position"]
+    print(f"# tuning state at {cfg.redis.url} (redis {'reachable' if reachable else 'NOT reachable'}), "
+          f"{len(rows)} cells")
+    print("\t".join(cols))
+    for row in rows:
+        cells = []
+        for c in cols:
+            v = row.get(c, "")
+            if isinstance(v, float):
+                v = f"{v:.3f}"
+            elif isinstance(v, list):
+                v = ",".join(f"{x:.2f}" for x in v)
+            cells.append(str(v))
+        print("\t".join(cells))
+    return 0
+
+
 def cmd_prepare(args) -> int:
     from cluster.config import load_config
     from cluster.models import prepare_all
@@ -250,6 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--url", default=DEFAULT_URL)
     s.add_argument("--config", default=None, help="also ping this config's Redis directly")
     s.set_defaults(func=cmd_status)
+
+    t = sub.add_parser("tuning", help="print the adaptive-K tuning table from Redis")
+    t.add_argument("--config", default=DEFAULT_CONFIG)
+    t.add_argument("--model", default=None)
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=cmd_tuning)
 
     pr = sub.add_parser("prepare", help="prepare (convert, cache) the models of a config")
     pr.add_argument("--config", default=DEFAULT_CONFIG)

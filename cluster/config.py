@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal, Optional
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -162,12 +163,78 @@ class RedisConfig(_Strict):
     )
     socket_timeout_s: float = Field(0.05, gt=0, description="Per-call timeout; past it the router serves on defaults.")
     key_prefix: str = Field("specserve:v1", description="Namespace of every key.")
+    password_env: Optional[str] = Field(
+        "SPECSERVE_REDIS_PASSWORD",
+        description="Environment variable holding the Redis password (ACL user in the URL: redis://user@host/0).",
+    )
+    ca_file: Optional[str] = Field(None, description="rediss:// URLs: CA that signed the Redis server certificate.")
+    certfile: Optional[str] = Field(None, description="rediss:// URLs: client certificate (PEM), if Redis asks for one.")
+    keyfile: Optional[str] = Field(None, description="rediss:// URLs: key of `certfile`.")
+
+    @field_validator("url")
+    @classmethod
+    def _no_password(cls, v: str) -> str:
+        if urlsplit(v).password is not None:
+            raise ValueError("no password in the URL; put it in the environment variable named by password_env")
+        return v
+
+    @model_validator(mode="after")
+    def _tls_files(self) -> "RedisConfig":
+        if (self.ca_file or self.certfile) and urlsplit(self.url).scheme != "rediss":
+            raise ValueError("ca_file / certfile need a rediss:// url")
+        if bool(self.certfile) != bool(self.keyfile):
+            raise ValueError("certfile and keyfile go together")
+        return self
+
+
+class TlsConfig(_Strict):
+    certfile: Optional[str] = Field(None, description="PEM server certificate (chain): HTTPS and gRPC over TLS.")
+    keyfile: Optional[str] = Field(None, description="PEM private key of `certfile` (unencrypted).")
+    client_ca_file: Optional[str] = Field(
+        None, description="gRPC mTLS: callers must present a certificate signed by this CA (not possible on HTTP "
+                          "with Ray Serve 2.60).")
+    grpc_tls_port: int = Field(
+        9443, ge=1, le=65535, description="TLS gRPC port; it forwards to Ray's plaintext gRPC port (api.grpc_port), "
+                                          "which must then be closed to the network.")
+
+    @model_validator(mode="after")
+    def _pair(self) -> "TlsConfig":
+        if bool(self.certfile) != bool(self.keyfile):
+            raise ValueError("certfile and keyfile go together")
+        if self.client_ca_file and not self.certfile:
+            raise ValueError("client_ca_file needs certfile and keyfile")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.certfile)
+
+
+class AuthConfig(_Strict):
+    enabled: bool = Field(False, description="Require `Authorization: Bearer <key>` on every HTTP and gRPC call.")
+    api_keys_file: Optional[str] = Field(
+        None, description="Key file on every router node (e.g. a mounted Secret): one `label:key` or `key` per line, "
+                          "'#' comments; re-read within reload_interval_s of a change (rotation, revocation).")
+    api_keys_env: Optional[str] = Field(
+        "SPECSERVE_API_KEYS", description="Environment variable of the router replicas with comma-separated keys.")
+    reload_interval_s: float = Field(1.0, gt=0, le=60, description="How often the key file's mtime is looked at.")
+    allow_unauthenticated_health: bool = Field(
+        True, description="grpc.health.v1 Check/Watch answer without a key (probes, load balancers).")
+    allow_unauthenticated_reflection: bool = Field(
+        False, description="Keep gRPC reflection on with auth enabled (Ray's proxy serves it and cannot check keys).")
+
+    @model_validator(mode="after")
+    def _source(self) -> "AuthConfig":
+        if self.enabled and not (self.api_keys_file or self.api_keys_env):
+            raise ValueError("enabled needs api_keys_file or api_keys_env")
+        return self
 
 
 class ApiConfig(_Strict):
     host: str = Field("127.0.0.1", description="Address the HTTP and gRPC proxies listen on.")
     http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
     grpc_port: int = Field(9000, ge=0, le=65535, description="gRPC port (0 disables gRPC).")
+    tls: TlsConfig = Field(default_factory=TlsConfig, description="TLS of the HTTP and gRPC endpoints.")
 
 
 class RayConfig(_Strict):
@@ -186,6 +253,7 @@ class ClusterConfig(_Strict):
     router: RouterConfig = Field(default_factory=RouterConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
 
     @model_validator(mode="after")

@@ -138,7 +138,7 @@ def start_local_redis(
     binary: Optional[str] = None,
 ) -> LocalRedis:
     """Start redis-server on 127.0.0.1:port and wait until it answers PING (at most startup_timeout_s)."""
-    data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+    data_dir = Path(data_dir) if data_dir is not None else default_data_dir() / str(port)  # one dir per server
     data_dir.mkdir(parents=True, exist_ok=True)
     binary = binary or find_redis_server()
     log_path = data_dir / "redis.log"

@@ -26,8 +26,10 @@ from __future__ import annotations
 import enum
 from dataclasses import asdict, dataclass, field
 
-# Key under SamplingParams.extra_args that carries the per-request K into the engine's scheduler.
+# Keys under SamplingParams.extra_args that carry the per-request K, and the pool's current
+# per-step cap table [(min_batch_size, k_cap), ...], into the engine's scheduler.
 EXTRA_ARGS_K = "specserve_k"
+EXTRA_ARGS_K_CAP = "specserve_k_cap"
 
 
 class SpecMode(str, enum.Enum):

@@ -33,18 +33,22 @@ from redis.retry import Retry
 
 from cluster.config import RedisConfig
 from cluster.policy import BUCKET_NAMES, MAX_K, CellKey, CellStats, TuningView, load_bucket, tuning_rows
+from cluster.tls import redis_client_kwargs
 from cluster.speculation import WORKLOAD_CLASSES, SpecMode, SpecStats
 
 log = logging.getLogger("specserve.tuning")
 
 INT_FIELDS = ("requests", "steps", "drafted", "accepted", "rejected_steps", "k_steps", "tokens")
 FLOAT_FIELDS = ("decode_s",)
-POSITION_FIELDS = tuple(f"{p}{i}" for i in range(MAX_K) for p in ("a", "e"))
+_ACC_NAMES = tuple(f"a{i}" for i in range(MAX_K))  # accepted at position i
+_EXP_NAMES = tuple(f"e{i}" for i in range(MAX_K))  # drafted (exposed) at position i
+POSITION_FIELDS = _ACC_NAMES + _EXP_NAMES
 META_FIELDS = ("chosen_k", "updated")
 KNOWN_FIELDS = frozenset(INT_FIELDS + FLOAT_FIELDS + POSITION_FIELDS + META_FIELDS)
 MAX_FIELDS = len(KNOWN_FIELDS)
 MAX_VALUE_BYTES = 32
 MAX_KEY_BYTES = 16384  # MEMORY USAGE of a full legitimate cell is ~2-4 KiB
+MAX_SCAN_ROUNDS = 20  # SCAN calls per refresh (COUNT 1000 each)
 MAX_COUNT = 10**13  # no legitimate counter gets near this
 MAX_DECODE_S = 1e10
 MODES = tuple(m.value for m in SpecMode)
@@ -134,8 +138,8 @@ def parse_cell(fields: Mapping, now_unix_s: float, max_age_s: float) -> tuple[Ce
     steps = g("steps")
     if g("accepted") > g("drafted") or g("rejected_steps") > steps or g("k_steps") > MAX_K * steps:
         raise MalformedCell("inconsistent counts (accepted > drafted, rejected > steps or K > max)")
-    acc = [g(f"a{i}") for i in range(MAX_K)]
-    exp = [g(f"e{i}") for i in range(MAX_K)]
+    acc = [int(vals.get(n, 0)) for n in _ACC_NAMES]
+    exp = [int(vals.get(n, 0)) for n in _EXP_NAMES]
     if any(a > e or e > steps for a, e in zip(acc, exp)):
         raise MalformedCell("per-position counts exceed exposure or steps")
     chosen = vals.get("chosen_k")
@@ -184,6 +188,7 @@ class TuningStore:
         self._redis = redis.Redis.from_url(
             config.url, socket_timeout=timeout, socket_connect_timeout=timeout,
             retry_on_timeout=False, retry=Retry(NoBackoff(), 0), health_check_interval=0,
+            **redis_client_kwargs(config.url, config.password_env, config.ca_file, config.certfile, config.keyfile),
         )
         self._rng = random.Random(rng_seed)
         self._records: collections.deque = collections.deque()
@@ -195,8 +200,10 @@ class TuningStore:
         self._to_delete: set[str] = set()
         self._models: set[str] = set(models)
         self._views: dict[str, TuningView] = {}
+        self._key_cache: dict[str, dict[str, CellKey]] = {}
         self._overlay: dict[str, dict[CellKey, int]] = {}  # this replica's own incumbents
         self._last_ok_mono = 0.0
+        self._last_fail_mono = 0.0
         self._last_warn: dict[tuple, float] = {}
         self.counters = collections.Counter()
         self._stop = threading.Event()
@@ -220,7 +227,6 @@ class TuningStore:
         return self.record(model, stats.mode, decision.pool, decision.workload_class, bucket, stats,
                            latency_s=completion.latency_s, ttft_s=completion.ttft_s or None,
                            output_tokens=completion.completion_tokens or None)
-
 
     def record(
         self, model: str, mode: str, pool: str, workload_class: str, load_bucket: str, stats: SpecStats,
@@ -270,9 +276,10 @@ class TuningStore:
 
     @property
     def healthy(self) -> bool:
-        """True when Redis answered within the last few intervals."""
+        """True when the last Redis call succeeded, within the last few intervals."""
         window = 3 * max(self.flush_interval_s, self.refresh_interval_s) + 1.0
-        return self._last_ok_mono > 0 and time.monotonic() - self._last_ok_mono < window
+        ok = self._last_ok_mono
+        return ok > 0 and ok >= self._last_fail_mono and time.monotonic() - ok < window
 
     # -- background I/O ---------------------------------------------------------------------
 
@@ -344,6 +351,7 @@ class TuningStore:
             results = pipe.execute(raise_on_error=False)
         except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
             self.counters["flush_errors"] += 1
+            self._last_fail_mono = time.monotonic()
             self._warn(("flush",), "tuning flush failed (%d keys kept for later): %s", len(pending), e)
             return False
         bad = {key for (key, _), r in zip(order, results) if isinstance(r, Exception)}
@@ -362,41 +370,53 @@ class TuningStore:
         self._last_ok_mono = time.monotonic()
         return True
 
+    def _cell_keys(self, model: str) -> dict[str, CellKey]:
+        """Every possible key of `model` -> its cell (computed once per model)."""
+        keys = self._key_cache.get(model)
+        if keys is None:
+            keys = {cell_key(self.prefix, model, m, c, b): (m, c, b)
+                    for m in MODES for c in WORKLOAD_CLASSES for b in BUCKET_NAMES}
+            self._key_cache[model] = keys
+        return keys
+
     def fetch_view(self, model: str) -> TuningView:
         """Read and validate every cell of `model` from Redis now (raises redis errors).
-        Three round trips: HLEN (type and field count), MEMORY USAGE (size), HGETALL."""
-        cells_keys = [(m, c, b) for m in MODES for c in WORKLOAD_CLASSES for b in BUCKET_NAMES]
-        keys = [cell_key(self.prefix, model, *ck) for ck in cells_keys]
+        SCAN for the model's keys (keys that are not cells are left alone), then HLEN (type and
+        field count) with MEMORY USAGE (size), then HGETALL of the cells that passed: three
+        round trips and ~1 ms of CPU for a few dozen cells."""
+        known = self._cell_keys(model)
+        pattern = f"{self.prefix}:{_segment(model)}:*"
+        found, cursor, rounds = set(), 0, 0
+        while True:
+            cursor, batch = self._redis.scan(cursor=cursor, match=pattern, count=1000)
+            found.update(k.decode(errors="replace") if isinstance(k, bytes) else k for k in batch)
+            rounds += 1
+            if cursor == 0 or rounds >= MAX_SCAN_ROUNDS:
+                break
+        candidates = sorted(k for k in found if k in known)
         pipe = self._redis.pipeline(transaction=False)
-        for key in keys:
+        for key in candidates:
             pipe.hlen(key)
-        lens = pipe.execute(raise_on_error=False)
+            pipe.memory_usage(key, samples=0)
+        replies = pipe.execute(raise_on_error=False)
         present = []
-        for ck, key, n in zip(cells_keys, keys, lens):
+        for key, n, size in zip(candidates, replies[0::2], replies[1::2]):
             if isinstance(n, Exception):
                 self._malformed(key, f"not a hash ({n})")
             elif n > MAX_FIELDS:
                 self._malformed(key, f"{n} fields")
+            elif isinstance(size, int) and size > MAX_KEY_BYTES:
+                self._malformed(key, f"{size} bytes")
             elif n:
-                present.append((ck, key))
+                present.append((known[key], key))
         pipe = self._redis.pipeline(transaction=False)
         for _, key in present:
-            pipe.memory_usage(key, samples=0)
-        sizes = pipe.execute(raise_on_error=False)
-        small = []
-        for (ck, key), size in zip(present, sizes):
-            if isinstance(size, int) and size > MAX_KEY_BYTES:
-                self._malformed(key, f"{size} bytes")
-            else:
-                small.append((ck, key))
-        pipe = self._redis.pipeline(transaction=False)
-        for _, key in small:
             pipe.hgetall(key)
         now = self._clock()
         max_age_s = self.ttl_s + 3600
         cells: dict[CellKey, CellStats] = {}
         chosen: dict[CellKey, int] = {}
-        for (ck, key), fields in zip(small, pipe.execute(raise_on_error=False)):
+        for (ck, key), fields in zip(present, pipe.execute(raise_on_error=False)):
             try:
                 if isinstance(fields, Exception):
                     raise MalformedCell(str(fields))
@@ -417,6 +437,7 @@ class TuningStore:
                 view = self.fetch_view(model)
         except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
             self.counters["refresh_errors"] += 1
+            self._last_fail_mono = time.monotonic()
             self._warn(("refresh",), "tuning refresh failed, serving the cached view: %s", e)
             return False
         overlay = self._overlay.setdefault(model, {})
@@ -428,8 +449,14 @@ class TuningStore:
         return True
 
     def table(self, model: str) -> list[dict]:
-        """Rows of the current table from Redis (for `specserve tuning`; not for the request path)."""
-        return tuning_rows(self.fetch_view(model))
+        """Rows of the current table (for `specserve tuning` / GetTuning): read from Redis now,
+        or from the cached view when Redis does not answer (then `healthy` is False)."""
+        try:
+            view = self.fetch_view(model)
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            self._warn(("table",), "tuning table from the cached view: %s", e)
+            view = self._views.get(model) or TuningView(model=model)
+        return tuning_rows(view)
 
     # -- helpers ----------------------------------------------------------------------------
 

@@ -2,8 +2,9 @@
 
 vLLM fixes `num_speculative_tokens` (K_max) per engine. This scheduler (passed to the engine as
 `scheduler_cls`) reads each request's K from `SamplingParams.extra_args[EXTRA_ARGS_K]`, caps it per
-step by the engine's current batch size (`k_cap_by_batch`, so a long request that meets a load
-spike stops paying for speculation), and
+step by the engine's current batch size with the pool's cap table (sent with each request by the
+router from the tuned state, else the engine's start-up `k_cap_by_batch`), so a long request that
+meets a load spike stops paying for speculation, and
 
 1. trims the drafts the proposer returned for the request to that K before they are scheduled
    for verification (`update_draft_token_ids`, the synchronous-scheduling path), and
@@ -19,7 +20,7 @@ from __future__ import annotations
 import bisect
 from typing import Any, Optional, Sequence
 
-from cluster.speculation import EXTRA_ARGS_K
+from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP
 
 # Key under vLLM's `additional_config` holding specserve's engine-side settings.
 ADDITIONAL_CONFIG_KEY = "specserve"
@@ -52,6 +53,21 @@ def requested_k(extra_args: Optional[dict[str, Any]], k_max: int) -> int:
     return max(0, min(k, k_max))
 
 
+def cap_table_from(extra_args: Optional[dict[str, Any]]) -> Optional[list[tuple[int, int]]]:
+    """The cap table a request carries (sent by the router from the tuned state), or None.
+
+    Malformed tables are ignored (None), never an engine error.
+    """
+    raw = (extra_args or {}).get(EXTRA_ARGS_K_CAP)
+    if not isinstance(raw, (list, tuple)) or not raw or len(raw) > 64:
+        return None
+    try:
+        table = sorted((int(a), int(b)) for a, b in raw)
+    except (TypeError, ValueError):
+        return None
+    return table if all(a >= 1 and b >= 0 for a, b in table) else None
+
+
 def effective_k(k_requested: int, k_max: int, batch_size: int, table: Optional[KCapTable] = None) -> int:
     """K used for one request in one step: its own K, bounded by the engine's K_max and load cap."""
     k = max(0, min(k_requested, k_max))
@@ -74,9 +90,10 @@ def _make_scheduler_cls():
             self.k_cap_table = sorted((int(a), int(b)) for a, b in table) if table else None
 
         def _k_for(self, request, batch_size: int) -> int:
-            sp = request.sampling_params
-            k_req = requested_k(sp.extra_args if sp is not None else None, self.num_spec_tokens)
-            return effective_k(k_req, self.num_spec_tokens, batch_size, self.k_cap_table)
+            extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+            k_req = requested_k(extra, self.num_spec_tokens)
+            table = cap_table_from(extra) or self.k_cap_table
+            return effective_k(k_req, self.num_spec_tokens, batch_size, table)
 
         def update_draft_token_ids(self, draft_token_ids) -> None:
             batch_size = len(self.running)

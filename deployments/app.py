@@ -24,8 +24,10 @@ class EngineReplica(EngineServer):
     """EngineServer that prepares its own model files on the node it lands on (cached per node)."""
 
     def __init__(self, pool_name: str, pool: PoolConfig, config: ClusterConfig):
+        from cluster.logsafe import install_redaction
         from cluster.models import resolve_model
 
+        install_redaction()
         model_path = resolve_model(pool.model, config)
         drafter_path = resolve_model(pool.drafter, config) if pool.drafter else None
         super().__init__(pool_name, pool, model_path, drafter_path, served_name=pool.model,
@@ -36,14 +38,17 @@ class RouterReplica(Router):
     """Router with its I/O dependencies (tuning store in Redis, classifier) built in the replica."""
 
     def __init__(self, config: ClusterConfig, engines: dict[str, Any]):
-        super().__init__(config, engines, tuning=_make_tuning(config), classifier=_make_classifier())
+        from cluster.auth import ApiKeyStore
+        from cluster.logsafe import install_redaction
+
+        install_redaction()
+        auth = ApiKeyStore.from_config(config.auth) if config.auth.enabled else None
+        super().__init__(config, engines, tuning=_make_tuning(config), classifier=_make_classifier(), auth=auth)
 
 
 def _make_tuning(config: ClusterConfig):
-    try:
-        from cluster.tuning import TuningStore
-    except ImportError:
-        return None
+    from cluster.tuning import TuningStore
+
     return TuningStore.from_config(config)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from cluster.config import PoolConfig
-from cluster.speculation import EXTRA_ARGS_K, SpecMode, SpecStats
+from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, SpecMode, SpecStats
 from cluster.vllm_scheduler import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS_PATH
 
 log = logging.getLogger("specserve.engine")
@@ -39,6 +39,7 @@ class EngineRequest:
     stop: list[str] = field(default_factory=list)
     logprobs: Optional[int] = None  # top-N logprobs per output token (for lossless diagnostics)
     ignore_eos: bool = False
+    k_cap_by_batch: Optional[list[tuple[int, int]]] = None  # pool's per-step cap table from the tuner
 
 
 @dataclass
@@ -172,7 +173,8 @@ class EngineServer:
             logprobs=req.logprobs,
             ignore_eos=req.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
-            extra_args={EXTRA_ARGS_K: int(req.k)},
+            extra_args={EXTRA_ARGS_K: int(req.k),
+                        **({EXTRA_ARGS_K_CAP: [list(e) for e in req.k_cap_by_batch]} if req.k_cap_by_batch else {})},
         )
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:

@@ -15,6 +15,7 @@ import time
 from typing import Any, AsyncIterator, Callable, Optional
 
 from cluster.api import ApiError, ErrorCode, GenerateRequest, from_openai
+from cluster.auth import AUTH_ERROR_MESSAGE, ApiKeyStore, bearer_from_grpc, bearer_from_http
 from cluster.config import ClusterConfig
 from cluster.routing import Decision, PoolView, pool_views, resolve_model, route
 from cluster.wire import Completion, openai_chunk, openai_error_event, openai_response
@@ -36,6 +37,7 @@ class Router:
         engines: dict[str, Any],  # pool name -> DeploymentHandle of engine-<pool> (or a test double)
         tuning: Any = None,  # cluster.tuning store (optional)
         classifier: Optional[Callable[..., str]] = None,
+        auth: Optional[ApiKeyStore] = None,  # None: no API key required
     ):
         self.config = config
         self.engines = engines
@@ -44,6 +46,20 @@ class Router:
         self.views = {v.name: v for v in pool_views(config)}
         self.inflight: dict[str, int] = {name: 0 for name in config.pools}  # this router's view of load
         self.served = config.served_models()
+        self.auth = auth
+        self._caps: dict[str, tuple[float, Optional[list[tuple[int, int]]]]] = {}  # pool -> (time, table)
+        self.health_open = auth is None or config.auth.allow_unauthenticated_health
+
+    def _authenticate(self, header_value: Optional[str]) -> None:
+        """Raise UNAUTHENTICATED, with one message whatever was wrong, unless the key is valid."""
+        if self.auth is not None and self.auth.check(header_value) is None:
+            raise ApiError(ErrorCode.UNAUTHENTICATED, AUTH_ERROR_MESSAGE)
+
+    def _authenticate_grpc(self, ctx: Any) -> None:
+        try:
+            self._authenticate(bearer_from_grpc(ctx))
+        except ApiError as e:
+            raise self._grpc_fail(ctx, e) from None
 
     # -- the decision ----------------------------------------------------------------------------
 
@@ -65,6 +81,8 @@ class Router:
         decision = route(self._live_pools(model), self.config.router, wclass,
                          mode_override=spec.mode if spec else None, k_override=spec.k if spec else None,
                          tuning=tuning)
+        if self.tuning is not None:
+            self.tuning.note_decision(model, decision)  # hysteresis: remember the chosen K
         pool = self.config.pools[decision.pool]
         if req.max_tokens >= pool.max_model_len:
             raise ApiError(ErrorCode.INVALID_ARGUMENT,
@@ -83,8 +101,24 @@ class Router:
             messages=[m.model_dump() for m in req.messages] if req.messages else None,
             max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
             stop=list(req.stop), logprobs=req.logprobs, ignore_eos=req.ignore_eos,
+            # The load cap adapts the policy's choices only; an explicit K from the caller is kept.
+            k_cap_by_batch=self._cap_table(model, d.pool) if d.k and d.decided_by == "policy" else None,
         )
         return model, d, ereq
+
+    def _cap_table(self, model: str, pool_name: str, max_age_s: float = 1.0) -> Optional[list[tuple[int, int]]]:
+        """The pool's per-step K cap by batch size from the tuned state (recomputed at most every second)."""
+        if self.tuning is None:
+            return None
+        now = time.monotonic()
+        cached = self._caps.get(pool_name)
+        if cached is None or now - cached[0] > max_age_s:
+            from cluster.policy import k_cap_table
+
+            pool = self.config.pools[pool_name]
+            cached = (now, k_cap_table(pool.method.value, pool.max_k, self.tuning.snapshot(model)))
+            self._caps[pool_name] = cached
+        return cached[1]
 
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[tuple[EngineChunk, Completion]]:
         """Yield (chunk, running completion) pairs; the last pair has the final stats."""
@@ -150,8 +184,7 @@ class Router:
         if self.tuning is None:
             return
         try:
-            self.tuning.record(model=model, decision=d, completion=comp,
-                               batch_per_replica=self.inflight.get(d.pool, 0))
+            self.tuning.record_completion(model, d, comp, batch_per_replica=self.inflight.get(d.pool, 0))
         except Exception:  # noqa: BLE001 - tuning must never fail a request
             log.warning("tuning record failed for %s", comp.request_id, exc_info=True)
 
@@ -169,6 +202,7 @@ class Router:
 
         path = request.url.path.rstrip("/")
         try:
+            self._authenticate(bearer_from_http(request.headers))
             if path == "/v1/models" and request.method == "GET":
                 return JSONResponse(self.models_json())
             if path in ("/v1/completions", "/v1/chat/completions") and request.method == "POST":
@@ -188,6 +222,8 @@ class Router:
             raise ApiError(ErrorCode.NOT_FOUND, f"no route {request.method} {path}", field="path")
         except ApiError as e:
             headers = {"Retry-After": str(max(1, round(e.retry_after_s)))} if e.retry_after_s else None
+            if e.code is ErrorCode.UNAUTHENTICATED:
+                headers = {"WWW-Authenticate": 'Bearer realm="specserve"'}
             return JSONResponse(e.to_openai(), status_code=e.code.http_status, headers=headers)
 
     async def _sse(self, req: GenerateRequest, chat: bool) -> AsyncIterator[str]:
@@ -219,6 +255,7 @@ class Router:
         return e
 
     async def Generate(self, request, grpc_context=None):
+        self._authenticate_grpc(grpc_context)
         from specserve.v1 import specserve_pb2 as pb
         from cluster.wire import from_proto, generate_response_proto
 
@@ -228,6 +265,7 @@ class Router:
             raise self._grpc_fail(grpc_context, e) from None
 
     async def GenerateStream(self, request, grpc_context=None):
+        self._authenticate_grpc(grpc_context)
         from specserve.v1 import specserve_pb2 as pb
         from cluster.wire import from_proto, spec_stats_proto, timing_proto
 
@@ -245,6 +283,7 @@ class Router:
             raise self._grpc_fail(grpc_context, e) from None
 
     async def ListModels(self, request, grpc_context=None):
+        self._authenticate_grpc(grpc_context)
         from specserve.v1 import specserve_pb2 as pb
 
         out = pb.ListModelsResponse()
@@ -255,6 +294,7 @@ class Router:
         return out
 
     async def GetTuning(self, request, grpc_context=None):
+        self._authenticate_grpc(grpc_context)
         from specserve.v1 import specserve_pb2 as pb
 
         out = pb.GetTuningResponse(redis_ok=bool(self.tuning is not None and getattr(self.tuning, "healthy", False)))
@@ -273,6 +313,8 @@ class Router:
         return health_pb2.HealthCheckResponse.SERVING if self.engines else health_pb2.HealthCheckResponse.NOT_SERVING
 
     async def Check(self, request, grpc_context=None):
+        if not self.health_open:
+            self._authenticate_grpc(grpc_context)
         from grpc_health.v1 import health_pb2
 
         status = self._health_status(request.service)
@@ -282,6 +324,8 @@ class Router:
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, request, grpc_context=None):
+        if not self.health_open:
+            self._authenticate_grpc(grpc_context)
         from grpc_health.v1 import health_pb2
 
         status = self._health_status(request.service)

@@ -42,3 +42,16 @@ def test_scheduler_class_resolves_for_vllm():
     from cluster import vllm_scheduler
 
     assert issubclass(vllm_scheduler.PerRequestKScheduler, Scheduler)
+
+
+@pytest.mark.parametrize(
+    "extra, want",
+    [(None, None), ({}, None), ({"specserve_k_cap": [[1, 4], [8, 1]]}, [(1, 4), (8, 1)]),
+     ({"specserve_k_cap": [[8, 1], [1, 4]]}, [(1, 4), (8, 1)]), ({"specserve_k_cap": "x"}, None),
+     ({"specserve_k_cap": [[0, 4]]}, None), ({"specserve_k_cap": [[1, -2]]}, None),
+     ({"specserve_k_cap": [["a", 1]]}, None), ({"specserve_k_cap": [[1, 1]] * 65}, None)],
+)
+def test_cap_table_from_request(extra, want):
+    from cluster.vllm_scheduler import cap_table_from
+
+    assert cap_table_from(extra) == want

@@ -35,6 +35,7 @@ class Cluster:
         self.http_url = f"http://127.0.0.1:{raw['api']['http_port']}"
         self.grpc_target = f"127.0.0.1:{raw['api']['grpc_port']}"
         self.redis_url = raw["redis"]["url"]
+        self.cleanups: list = []  # callables run at teardown (e.g. a Redis a test restarted)
 
     def log_tail(self, n: int = 60) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()
@@ -75,6 +76,8 @@ def cluster(tmp_path_factory) -> Cluster:
         httpx.get(f"{c.http_url}/v1/models", timeout=30).raise_for_status()
         yield c
     finally:
+        for fn in c.cleanups:
+            fn()
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)  # `specserve up` shuts Serve, Ray and Redis down
             try:

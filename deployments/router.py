@@ -159,7 +159,7 @@ class Router:
         finally:
             self.inflight[d.pool] -= 1
             if gen is not None and not finished:
-                gen.cancel()  # client went away or failed: abort in the engine, free its KV cache
+                _cancel(gen, rid)  # client went away or failed: abort in the engine, free its KV cache
 
     def _map_error(self, e: Exception, rid: str, d: Decision) -> ApiError:
         """Ray / vLLM failures -> typed API errors (Ray's task errors are also instances of the cause)."""
@@ -356,6 +356,15 @@ class Router:
             "pools": pools,
             "redis_ok": bool(self.tuning is not None and getattr(self.tuning, "healthy", False)),
         }
+
+
+def _cancel(gen: Any, rid: str) -> None:
+    """Cancel an engine call. A call whose assignment already failed (e.g. backpressure) re-raises
+    that failure from cancel(); it is being reported to the caller already, so only log it here."""
+    try:
+        gen.cancel()
+    except Exception as e:  # noqa: BLE001 - see docstring
+        log.debug("request %s: nothing to cancel (%s)", rid, type(e).__name__)
 
 
 async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -54,6 +54,10 @@ def cluster(tmp_path_factory) -> Cluster:
     raw["api"]["grpc_port"] = _free_port()
     raw["redis"]["url"] = f"redis://127.0.0.1:{_free_port()}/0"
     raw["name"] = "specserve-test"
+    # Bounded admission small enough that the overload test can exceed it (and large enough for the
+    # lossless test's 7 x 16 concurrent requests on the ngram pool and 4 x 16 on the draft pool).
+    raw["pools"]["ngram"].update(max_ongoing_requests=32, max_queued_requests=112)
+    raw["pools"]["draft"].update(max_ongoing_requests=32, max_queued_requests=64)
     config_path = tmp / "cluster.yaml"
     config_path.write_text(yaml.safe_dump(raw))
     log_path = tmp / "up.log"

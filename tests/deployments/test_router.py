@@ -1,0 +1,112 @@
+"""Router logic without Ray: engine handles are test doubles with the DeploymentHandle call shape
+(`handle.options(stream=True).generate.remote(req)` -> async iterator with cancel())."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from ray.serve.exceptions import BackPressureError
+from starlette.requests import Request
+
+from cluster.config import load_config
+from deployments.engine import EngineChunk, EngineInputError
+from deployments.router import Router
+
+CONFIG = Path(__file__).resolve().parents[2] / "cluster" / "configs" / "local-cpu.yaml"
+
+
+class FakeCall:
+    def __init__(self, chunks=(), error=None):
+        self.chunks, self.error, self.cancelled = list(chunks), error, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.error is not None:
+            raise self.error
+        if not self.chunks:
+            raise StopAsyncIteration
+        return self.chunks.pop(0)
+
+    def cancel(self):
+        self.cancelled = True
+        if self.error is not None:
+            raise self.error  # what Ray's handle does when the assignment already failed
+
+
+class FakeHandle:
+    def __init__(self, make_call):
+        self.make_call, self.calls, self.requests = make_call, [], []
+
+    def options(self, **_):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, req):
+        self.requests.append(req)
+        call = self.make_call()
+        self.calls.append(call)
+        return call
+
+
+def post(router, body, path="/v1/chat/completions"):
+    raw = json.dumps(body).encode()
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"content-type", b"application/json")],
+             "query_string": b"", "scheme": "http", "server": ("x", 80), "root_path": ""}
+
+    async def receive():
+        return {"type": "http.request", "body": raw, "more_body": False}
+    return asyncio.run(router(Request(scope, receive)))
+
+
+def make_router(make_call):
+    cfg = load_config(CONFIG)
+    handles = {name: FakeHandle(make_call) for name in cfg.pools}
+    return Router(cfg, handles), handles
+
+
+BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        "specserve": {"speculative": {"mode": "ngram", "k": 2}}}
+
+
+def test_backpressure_is_429_with_retry_after():
+    router, handles = make_router(lambda: FakeCall(error=BackPressureError(num_queued_requests=3, max_queued_requests=3)))
+    r = post(router, BODY)
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert json.loads(r.body)["error"]["code"] == "resource_exhausted"
+    assert router.inflight == {"ngram": 0, "draft": 0}
+    assert handles["ngram"].calls[0].cancelled
+
+
+def test_engine_input_error_is_400_naming_the_prompt():
+    router, _ = make_router(lambda: FakeCall(error=EngineInputError("prompt is longer than the context")))
+    r = post(router, BODY)
+    assert r.status_code == 400 and json.loads(r.body)["error"]["param"] == "prompt"
+
+
+def test_success_reports_decision_and_stats():
+    final = EngineChunk(text="lo", token_ids=[2], finish_reason="stop", prompt_tokens=5, completion_tokens=2,
+                        stats={"mode": "ngram", "k": 2, "steps": 1, "drafted": 2, "accepted": 0}, replica="r1")
+    router, handles = make_router(lambda: FakeCall([EngineChunk(text="hel", token_ids=[1], replica="r1"), final]))
+    r = post(router, BODY)
+    assert r.status_code == 200
+    body = json.loads(r.body)
+    assert body["choices"][0]["message"]["content"] == "hello"
+    s = body["specserve"]
+    assert (s["pool"], s["k"], s["decided_by"], s["token_ids"], s["replica"]) == ("ngram", 2, "request", [1, 2], "r1")
+    req = handles["ngram"].requests[0]
+    assert req.k == 2 and req.k_cap_by_batch is None  # an explicit K is not capped by load
+    assert not handles["ngram"].calls[0].cancelled
+
+
+def test_stream_that_ends_early_is_unavailable_and_cancelled():
+    router, handles = make_router(lambda: FakeCall([EngineChunk(text="a", token_ids=[1])]))
+    r = post(router, BODY)
+    assert r.status_code == 503
+    assert handles["ngram"].calls[0].cancelled

@@ -92,6 +92,15 @@ class PoolConfig(_Strict):
     )
     env: dict[str, str] = Field(default_factory=dict, description="Environment of the replica's process.")
     startup_timeout_s: float = Field(600.0, gt=0, description="Engine start-up must finish within this.")
+    health_probe_interval_s: float = Field(
+        30.0, ge=0, description="At most this often, the health check runs a real 1-token generation (0: every check)."
+    )
+    health_probe_timeout_s: float = Field(
+        20.0, gt=0, description="A health probe generation slower than this marks the replica unhealthy."
+    )
+    drain_grace_s: float = Field(
+        60.0, ge=0, description="On scale-down or upgrade, a replica finishes its requests for at most this long."
+    )
 
     @field_validator("bundles")
     @classmethod

@@ -56,8 +56,11 @@ def engine_deployment_options(name: str, pool: PoolConfig, platform_env: Optiona
             "runtime_env": {"env_vars": env},
         },
         health_check_period_s=10,
-        health_check_timeout_s=60,
-        graceful_shutdown_timeout_s=30,
+        # The check may run a real generation (bounded by health_probe_timeout_s) behind a busy batch.
+        health_check_timeout_s=pool.health_probe_timeout_s + 10,
+        # Drain: stop taking requests, let running ones finish for up to drain_grace_s.
+        graceful_shutdown_wait_loop_s=2,
+        graceful_shutdown_timeout_s=pool.drain_grace_s,
     )
     if pool.autoscaling is not None:
         a = pool.autoscaling

@@ -7,6 +7,7 @@ inside one engine, through `cluster.vllm_scheduler.PerRequestKScheduler`. It is 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -140,6 +141,7 @@ class EngineServer:
             engine = self._start_engine(engine_kwargs(pool, model_path, drafter_path, served_name, dtype))
         self.engine = engine
         self._tokenizer = None
+        self._last_probe_ok = float("-inf")
 
     def _start_engine(self, kwargs: dict[str, Any]):
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -218,7 +220,21 @@ class EngineServer:
         }
 
     async def check_health(self) -> None:
+        """Ray Serve's health check: the engine's own check every time, and a real 1-token
+        generation at most every `health_probe_interval_s`, bounded by `health_probe_timeout_s`,
+        so a silently dead or stalled engine fails the check and Ray Serve replaces the replica."""
         await self.engine.check_health()
+        now = time.monotonic()
+        if now - self._last_probe_ok < self.pool.health_probe_interval_s:
+            return
+        probe = EngineRequest(request_id=f"health-{self.replica}-{int(now * 1000)}", mode="none", k=0,
+                              prompt="ping", max_tokens=1)
+        try:
+            await asyncio.wait_for(collect(self.generate(probe)), timeout=self.pool.health_probe_timeout_s)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"engine of pool {self.pool_name} did not generate 1 token in "
+                               f"{self.pool.health_probe_timeout_s:.0f} s (stalled)") from None
+        self._last_probe_ok = time.monotonic()
 
     def __del__(self):
         engine = getattr(self, "engine", None)

@@ -41,8 +41,10 @@ def start_cluster(config_path: str, wait_s: float = 900.0):
     print(f"[specserve] models ready in {time.monotonic() - t0:.1f} s: {paths}")
     redis_handle = _start_redis(config)  # 3. tuning state
     # 4. Ray: join a cluster or start a local one
-    ray.init(address=config.ray.address, num_cpus=config.ray.num_cpus if not config.ray.address else None,
+    local = not config.ray.address
+    ray.init(address=config.ray.address, num_cpus=config.ray.num_cpus if local else None,
              include_dashboard=False, logging_level=logging.WARNING,
+             **({"_metrics_export_port": config.ray.metrics_export_port} if local and config.ray.metrics_export_port else {}),
              runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
     tls = config.api.tls
     http_tls = {}

@@ -253,6 +253,9 @@ class RayConfig(_Strict):
     num_cpus: Optional[int] = Field(
         None, ge=1, description="CPUs a local Ray cluster advertises (None: detect)."
     )
+    metrics_export_port: Optional[int] = Field(
+        None, ge=1, le=65535, description="Prometheus port of a local Ray cluster's metrics agent (None: Ray picks)."
+    )
 
 
 class ClusterConfig(_Strict):

@@ -43,7 +43,10 @@ class RouterReplica(Router):
 
         install_redaction()
         auth = ApiKeyStore.from_config(config.auth) if config.auth.enabled else None
-        super().__init__(config, engines, tuning=_make_tuning(config), classifier=_make_classifier(), auth=auth)
+        from cluster.metrics import RouterMetrics
+
+        super().__init__(config, engines, tuning=_make_tuning(config), classifier=_make_classifier(), auth=auth,
+                         metrics=RouterMetrics())
 
 
 def _make_tuning(config: ClusterConfig):

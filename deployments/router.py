@@ -38,6 +38,7 @@ class Router:
         tuning: Any = None,  # cluster.tuning store (optional)
         classifier: Optional[Callable[..., str]] = None,
         auth: Optional[ApiKeyStore] = None,  # None: no API key required
+        metrics: Any = None,  # cluster.metrics.RouterMetrics (optional)
     ):
         self.config = config
         self.engines = engines
@@ -47,6 +48,7 @@ class Router:
         self.inflight: dict[str, int] = {name: 0 for name in config.pools}  # this router's view of load
         self.served = config.served_models()
         self.auth = auth
+        self.metrics = metrics
         self._caps: dict[str, tuple[float, Optional[list[tuple[int, int]]]]] = {}  # pool -> (time, table)
         self.health_open = auth is None or config.auth.allow_unauthenticated_health
 
@@ -83,6 +85,8 @@ class Router:
                          tuning=tuning)
         if self.tuning is not None:
             self.tuning.note_decision(model, decision)  # hysteresis: remember the chosen K
+            if decision.decided_by == "policy" and self.metrics is not None and not self.tuning.healthy:
+                self.metrics.fallback(wclass)
         pool = self.config.pools[decision.pool]
         if req.max_tokens >= pool.max_model_len:
             raise ApiError(ErrorCode.INVALID_ARGUMENT,
@@ -181,6 +185,8 @@ class Router:
         return ApiError(ErrorCode.INTERNAL, f"internal error ({type(e).__name__}); request id {rid}")
 
     def _record(self, model: str, d: Decision, comp: Completion) -> None:
+        if self.metrics is not None:
+            self.metrics.observe(d, comp.stats)
         if self.tuning is None:
             return
         try:

@@ -53,6 +53,7 @@ def cluster(tmp_path_factory) -> Cluster:
     raw["api"]["http_port"] = _free_port()
     raw["api"]["grpc_port"] = _free_port()
     raw["redis"]["url"] = f"redis://127.0.0.1:{_free_port()}/0"
+    raw["ray"]["metrics_export_port"] = _free_port()
     raw["name"] = "specserve-test"
     # Bounded admission small enough that the overload test can exceed it (and large enough for the
     # lossless test's 7 x 16 concurrent requests on the ngram pool and 4 x 16 on the draft pool).

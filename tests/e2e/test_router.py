@@ -110,3 +110,21 @@ def test_tuning_command_prints_the_table(cluster):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "smollm2-135m" in out.stdout and "ngram" in out.stdout
+
+
+def test_prometheus_metrics_per_class_and_mode(cluster):
+    port = cluster.raw["ray"]["metrics_export_port"]
+    httpx.post(f"{cluster.http_url}/v1/chat/completions", timeout=300, json={
+        "messages": [{"role": "user", "content": "Summarize: the cat sat on the mat."}], "max_tokens": 4,
+        "specserve": {"speculative": {"mode": "ngram", "k": 2}}}).raise_for_status()
+    deadline = time.monotonic() + 60  # Ray's metrics agent exports every few seconds
+    text = ""
+    while time.monotonic() < deadline:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        if "specserve_requests" in text and "specserve_drafted_tokens" in text:
+            break
+        time.sleep(2)
+    lines = [line for line in text.splitlines() if line.startswith("ray_specserve_requests")]
+    assert lines, "router metrics not exported"
+    assert any('mode="ngram"' in line and 'workload_class="summarization"' in line for line in lines), lines[:5]
+    assert "specserve_chosen_k" in text and "specserve_acceptance_length" in text

@@ -1,0 +1,45 @@
+"""Prometheus metrics of the router, through Ray's metrics API (exported by each node's metrics
+agent on `ray.metrics_export_port`, scraped like the rest of Ray Serve's metrics).
+
+Per workload class and mode: requests, drafted and accepted tokens, acceptance length, chosen K,
+and decisions made on defaults because the tuning state was unavailable. No prompt or completion
+text ever reaches a label.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+_TAGS = ("workload_class", "mode", "pool", "decided_by")
+
+
+class RouterMetrics:
+    def __init__(self):
+        from ray.util.metrics import Counter, Histogram
+
+        self.requests = Counter("specserve_requests", "Requests finished, by class, mode, pool, decider.",
+                                tag_keys=_TAGS + ("status",))
+        self.drafted = Counter("specserve_drafted_tokens", "Draft tokens verified.", tag_keys=_TAGS)
+        self.accepted = Counter("specserve_accepted_tokens", "Draft tokens accepted.", tag_keys=_TAGS)
+        self.acceptance_length = Histogram(
+            "specserve_acceptance_length", "Output tokens per decode step of a request (accepted/steps + 1).",
+            boundaries=[1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.0], tag_keys=_TAGS)
+        self.chosen_k = Histogram("specserve_chosen_k", "K chosen at admission.",
+                                  boundaries=[0.5, 1.5, 2.5, 3.5, 4.5, 6.5, 8.5, 16.5], tag_keys=_TAGS)
+        self.fallbacks = Counter("specserve_tuning_fallbacks",
+                                 "Decisions taken on defaults/priors because Redis tuning state was unavailable.",
+                                 tag_keys=("workload_class",))
+
+    def observe(self, decision: Any, stats: Optional[dict], status: str = "ok") -> None:
+        tags = {"workload_class": decision.workload_class, "mode": decision.mode.value, "pool": decision.pool,
+                "decided_by": decision.decided_by}
+        self.requests.inc(1, {**tags, "status": status})
+        self.chosen_k.observe(decision.k, tags)
+        if stats:
+            self.drafted.inc(int(stats.get("drafted", 0)), tags)
+            self.accepted.inc(int(stats.get("accepted", 0)), tags)
+            if int(stats.get("steps", 0)) > 0:
+                self.acceptance_length.observe(float(stats.get("acceptance_length", 1.0)), tags)
+
+    def fallback(self, workload_class: str) -> None:
+        self.fallbacks.inc(1, {"workload_class": workload_class})

@@ -304,6 +304,30 @@ class Candidate:
         return self.pool.method != SpecMode.NONE and self.pool.max_k > 0
 
 
+_SCORE_CACHE: dict[tuple, tuple] = {}  # (mode, class, bucket, max_k, step_rel, params) -> (cells, result)
+_SCORE_CACHE_MAX = 4096
+
+
+def _pool_scores(view, mode, workload_class, bucket, max_k, step_rel, params):
+    """(alpha, (a, b), cost, {K: score}) of one cell. Memoised per view refresh: the result depends
+    only on the view's cells (replaced as a whole on each refresh), so the request path pays the
+    posterior and cost arithmetic once per cell and refresh, not once per request."""
+    cells = view.cells if view is not None else None
+    key = (mode, workload_class, bucket, max_k, step_rel, params)
+    hit = _SCORE_CACHE.get(key)
+    if hit is not None and hit[0] is cells:
+        return hit[1]
+    cell = view.cell(mode, workload_class, bucket) if view is not None else _ZERO
+    a, b = alpha_posterior(cell, prior_alpha(mode, workload_class), params)
+    alpha = a / (a + b)
+    cost = cost_per_k(view, mode, bucket, params)
+    result = (alpha, (a, b), cost, {k: score(alpha, k, cost, step_rel) for k in range(max_k + 1)})
+    if len(_SCORE_CACHE) >= _SCORE_CACHE_MAX:
+        _SCORE_CACHE.clear()
+    _SCORE_CACHE[key] = (cells, result)
+    return result
+
+
 def score_pool(pool, workload_class: str, view: Optional[TuningView], params: PolicyParams = DEFAULT_PARAMS) -> Candidate:
     """Score K = 0..max_k of `pool` for one request of `workload_class` at the pool's live load."""
     bucket = load_bucket(pool.batch_per_replica + 1.0)
@@ -312,11 +336,7 @@ def score_pool(pool, workload_class: str, view: Optional[TuningView], params: Po
     max_k = min(max(int(pool.max_k), 0), MAX_K)
     if pool.method == SpecMode.NONE or max_k == 0:
         return Candidate(pool, bucket, 0.0, (0.0, 1.0), 0.0, step_rel, {0: score(0.0, 0, 0.0, step_rel)}, 0)
-    cell = view.cell(mode, workload_class, bucket) if view is not None else _ZERO
-    a, b = alpha_posterior(cell, prior_alpha(mode, workload_class), params)
-    alpha = a / (a + b)
-    cost = cost_per_k(view, mode, bucket, params)
-    scores = {k: score(alpha, k, cost, step_rel) for k in range(max_k + 1)}
+    alpha, (a, b), cost, scores = _pool_scores(view, mode, workload_class, bucket, max_k, step_rel, params)
     incumbent = view.chosen_k.get((mode, workload_class, bucket)) if view is not None else None
     return Candidate(pool, bucket, alpha, (a, b), cost, step_rel, scores, hysteresis_k(scores, incumbent, params))
 

@@ -147,6 +147,12 @@ class RouterConfig(_Strict):
     max_queued_requests: int = Field(
         512, ge=-1, description="Requests queued at the proxies for the router before they answer 503 (-1: no bound)."
     )
+    first_token_timeout_s: float = Field(
+        300.0, gt=0, description="A request whose engine gives no first output within this fails with UNAVAILABLE."
+    )
+    stream_idle_timeout_s: float = Field(
+        60.0, gt=0, description="A stream that gets no output for this long fails with UNAVAILABLE."
+    )
 
     @field_validator("default_mode")
     @classmethod

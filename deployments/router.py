@@ -130,13 +130,9 @@ class Router:
         model, d, ereq = self.plan(req)
         rid = ereq.request_id
         comp = Completion(request_id=rid, model=model)
-        handle = self.engines[d.pool]
         self.inflight[d.pool] += 1
-        gen = None
-        finished = False
         try:
-            gen = handle.options(stream=True).generate.remote(ereq)
-            async for chunk in gen:
+            async for chunk in self._engine_chunks(d, ereq):
                 now = time.perf_counter()
                 if not comp.token_ids and chunk.token_ids:
                     comp.ttft_s = now - t0
@@ -151,10 +147,10 @@ class Router:
                     comp.latency_s = now - t0
                     comp.stats = {**(chunk.stats or {}), "pool": d.pool, "replica": chunk.replica,
                                   "decided_by": d.decided_by, "workload_class": d.workload_class}
-                    finished = True
                 yield chunk, comp
-            if not finished:
-                raise ApiError(ErrorCode.UNAVAILABLE, "engine stream ended before the request finished")
+            if comp.finish_reason is None:
+                raise ApiError(ErrorCode.UNAVAILABLE, "engine stream ended before the request finished",
+                               retry_after_s=RETRY_AFTER_S)
             self._record(model, d, comp)
         except ApiError:
             raise
@@ -162,8 +158,41 @@ class Router:
             raise self._map_error(e, rid, d) from e
         finally:
             self.inflight[d.pool] -= 1
-            if gen is not None and not finished:
-                _cancel(gen, rid)  # client went away or failed: abort in the engine, free its KV cache
+
+    async def _engine_chunks(self, d: Decision, ereq: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """The engine's chunks for one request, with every wait bounded: the first chunk within
+        router.first_token_timeout_s, each later one within router.stream_idle_timeout_s (else
+        UNAVAILABLE). A replica that dies before the first chunk is retried once on the pool (nothing
+        was delivered yet); after that the stream ends with UNAVAILABLE. An unfinished call is
+        cancelled, which aborts the request in vLLM and frees its KV cache."""
+        r = self.config.router
+        for attempt in (1, 2):
+            gen = self.engines[d.pool].options(stream=True).generate.remote(ereq)
+            started = done = False
+            try:
+                while not done:
+                    wait_s = r.stream_idle_timeout_s if started else r.first_token_timeout_s
+                    try:
+                        chunk = await asyncio.wait_for(gen.__anext__(), timeout=wait_s)
+                    except StopAsyncIteration:
+                        done = True
+                        return
+                    except asyncio.TimeoutError:
+                        raise ApiError(ErrorCode.UNAVAILABLE,
+                                       f"pool {d.pool!r} gave no output for {wait_s:.0f} s", retry_after_s=RETRY_AFTER_S
+                                       ) from None
+                    started = True
+                    done = chunk.finish_reason is not None
+                    yield chunk
+                return
+            except Exception as e:  # noqa: BLE001 - re-raised unless a safe retry applies
+                if started or attempt == 2 or not _replica_gone(e):
+                    raise
+                log.warning("request %s: engine replica of pool %s failed before output (%s); retrying once",
+                            ereq.request_id, d.pool, type(e).__name__)
+            finally:
+                if not done:
+                    _cancel(gen, ereq.request_id)
 
     def _map_error(self, e: Exception, rid: str, d: Decision) -> ApiError:
         """Ray / vLLM failures -> typed API errors (Ray's task errors are also instances of the cause)."""
@@ -362,6 +391,13 @@ class Router:
             "pools": pools,
             "redis_ok": bool(self.tuning is not None and getattr(self.tuning, "healthy", False)),
         }
+
+
+def _replica_gone(e: BaseException) -> bool:
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    return isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError))
 
 
 def _cancel(gen: Any, rid: str) -> None:

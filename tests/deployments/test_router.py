@@ -105,8 +105,42 @@ def test_success_reports_decision_and_stats():
     assert not handles["ngram"].calls[0].cancelled
 
 
-def test_stream_that_ends_early_is_unavailable_and_cancelled():
+def test_stream_that_ends_early_is_unavailable():
     router, handles = make_router(lambda: FakeCall([EngineChunk(text="a", token_ids=[1])]))
     r = post(router, BODY)
-    assert r.status_code == 503
+    assert r.status_code == 503 and r.headers["retry-after"]
+
+
+FINAL = EngineChunk(text="ok", token_ids=[5], finish_reason="stop", prompt_tokens=1, completion_tokens=1,
+                    stats={"mode": "ngram", "k": 2}, replica="r2")
+
+
+def test_replica_death_before_output_is_retried_once():
+    from ray.exceptions import ActorDiedError
+
+    calls = iter([FakeCall(error=ActorDiedError()), FakeCall([FINAL])])
+    router, handles = make_router(lambda: next(calls))
+    r = post(router, BODY)
+    assert r.status_code == 200 and json.loads(r.body)["specserve"]["replica"] == "r2"
+    assert len(handles["ngram"].calls) == 2
+
+
+def test_replica_death_twice_is_unavailable():
+    from ray.exceptions import ActorDiedError
+
+    router, handles = make_router(lambda: FakeCall(error=ActorDiedError()))
+    r = post(router, BODY)
+    assert r.status_code == 503 and len(handles["ngram"].calls) == 2
+
+
+class StallingCall(FakeCall):
+    async def __anext__(self):
+        await asyncio.sleep(3600)
+
+
+def test_no_first_output_is_bounded():
+    router, handles = make_router(lambda: StallingCall())
+    router.config.router.first_token_timeout_s = 0.2
+    r = post(router, BODY)
+    assert r.status_code == 503 and b"no output" in r.body
     assert handles["ngram"].calls[0].cancelled

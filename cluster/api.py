@@ -71,6 +71,15 @@ class ApiError(Exception):
         }
 
 
+def _valid_unicode(s: str) -> str:
+    """Reject strings that cannot be encoded as UTF-8 (lone surrogates from JSON escapes)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (no lone surrogates)") from None
+    return s
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -112,6 +121,7 @@ class GenerateRequest(_Strict):
         for s in v:
             if not s or len(s) > MAX_STOP_CHARS:
                 raise ValueError(f"each stop string must have 1..{MAX_STOP_CHARS} characters")
+            _valid_unicode(s)
         return v
 
     @field_validator("workload_class")
@@ -154,6 +164,8 @@ def validation_error(e: ValidationError) -> ApiError:
         loc = ".".join(str(x) for x in err["loc"]) or "request"
         parts.append(f"{loc}: {err['msg']}")
     first = ".".join(str(x) for x in errs[0]["loc"]) if errs and errs[0]["loc"] else None
+    if first is None and errs:  # a whole-request check: name the field its message is about
+        first = "prompt" if "`prompt`" in errs[0]["msg"] else "body"
     return ApiError(ErrorCode.INVALID_ARGUMENT, "; ".join(parts) or "invalid request", field=first)
 
 

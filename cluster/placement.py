@@ -13,9 +13,10 @@ from typing import Any, Optional
 
 from cluster.config import ClusterConfig, PoolConfig
 
+# Registered through cluster.grpc_ingress so that undecodable bodies become INVALID_ARGUMENT.
 GRPC_SERVICER_FUNCTIONS = [
-    "specserve.v1.specserve_pb2_grpc.add_SpecServeServicer_to_server",
-    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+    "cluster.grpc_ingress.add_SpecServeServicer_to_server",
+    "cluster.grpc_ingress.add_HealthServicer_to_server",
 ]
 
 

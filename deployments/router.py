@@ -244,7 +244,7 @@ class Router:
                 chat = path.endswith("chat/completions")
                 try:
                     body = json.loads(await request.body())
-                except (ValueError, UnicodeDecodeError) as e:
+                except (ValueError, UnicodeDecodeError, RecursionError) as e:
                     raise ApiError(ErrorCode.INVALID_ARGUMENT, f"body: not valid JSON ({e})", field="body") from None
                 req = from_openai(body, chat=chat)
                 if req.stream:
@@ -289,8 +289,18 @@ class Router:
                 ctx.set_trailing_metadata([("retry-after-s", str(e.retry_after_s))])
         return e
 
+    def _decoded(self, request: Any, ctx: Any) -> Any:
+        from cluster.grpc_ingress import Undecodable
+
+        if isinstance(request, Undecodable):
+            raise self._grpc_fail(ctx, ApiError(ErrorCode.INVALID_ARGUMENT,
+                                                f"request: not a valid message for {request.method} ({request.reason})",
+                                                field="request"))
+        return request
+
     async def Generate(self, request, grpc_context=None):
         self._authenticate_grpc(grpc_context)
+        request = self._decoded(request, grpc_context)
         from specserve.v1 import specserve_pb2 as pb
         from cluster.wire import from_proto, generate_response_proto
 
@@ -301,6 +311,7 @@ class Router:
 
     async def GenerateStream(self, request, grpc_context=None):
         self._authenticate_grpc(grpc_context)
+        request = self._decoded(request, grpc_context)
         from specserve.v1 import specserve_pb2 as pb
         from cluster.wire import from_proto, spec_stats_proto, timing_proto
 
@@ -319,6 +330,7 @@ class Router:
 
     async def ListModels(self, request, grpc_context=None):
         self._authenticate_grpc(grpc_context)
+        self._decoded(request, grpc_context)
         from specserve.v1 import specserve_pb2 as pb
 
         out = pb.ListModelsResponse()
@@ -330,6 +342,7 @@ class Router:
 
     async def GetTuning(self, request, grpc_context=None):
         self._authenticate_grpc(grpc_context)
+        request = self._decoded(request, grpc_context)
         from specserve.v1 import specserve_pb2 as pb
 
         out = pb.GetTuningResponse(redis_ok=bool(self.tuning is not None and getattr(self.tuning, "healthy", False)))
@@ -350,6 +363,7 @@ class Router:
     async def Check(self, request, grpc_context=None):
         if not self.health_open:
             self._authenticate_grpc(grpc_context)
+        request = self._decoded(request, grpc_context)
         from grpc_health.v1 import health_pb2
 
         status = self._health_status(request.service)
@@ -361,6 +375,7 @@ class Router:
     async def Watch(self, request, grpc_context=None):
         if not self.health_open:
             self._authenticate_grpc(grpc_context)
+        request = self._decoded(request, grpc_context)
         from grpc_health.v1 import health_pb2
 
         status = self._health_status(request.service)

@@ -42,23 +42,17 @@ class Cluster:
         return "\n".join(lines[-n:])
 
 
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory) -> Cluster:
-    attach = os.environ.get("SPECSERVE_TEST_ATTACH")  # dev loop: a config of a cluster already up
-    if attach:
-        yield Cluster(Path(attach), yaml.safe_load(Path(attach).read_text()), None, Path(os.devnull))
-        return
-    tmp = tmp_path_factory.mktemp("cluster")
+def launch_cluster(tmp: Path, name: str, mutate=None):
+    """Start `specserve up` (the README's path) on free ports with its own Redis; yield a Cluster;
+    stop it (SIGINT, then kill) afterwards. `mutate(raw)` adjusts the config first."""
     raw = yaml.safe_load(LOCAL_CONFIG.read_text())
     raw["api"]["http_port"] = _free_port()
     raw["api"]["grpc_port"] = _free_port()
     raw["redis"]["url"] = f"redis://127.0.0.1:{_free_port()}/0"
     raw["ray"]["metrics_export_port"] = _free_port()
-    raw["name"] = "specserve-test"
-    # Bounded admission small enough that the overload test can exceed it (and large enough for the
-    # lossless test's 7 x 16 concurrent requests on the ngram pool and 4 x 16 on the draft pool).
-    raw["pools"]["ngram"].update(max_ongoing_requests=32, max_queued_requests=112)
-    raw["pools"]["draft"].update(max_ongoing_requests=32, max_queued_requests=64)
+    raw["name"] = name
+    if mutate is not None:
+        mutate(raw)
     config_path = tmp / "cluster.yaml"
     config_path.write_text(yaml.safe_dump(raw))
     log_path = tmp / "up.log"
@@ -90,3 +84,19 @@ def cluster(tmp_path_factory) -> Cluster:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
+
+
+def _session_overrides(raw: dict) -> None:
+    # Bounded admission small enough that the overload test can exceed it (and large enough for the
+    # lossless test's 7 x 16 concurrent requests on the ngram pool and 4 x 16 on the draft pool).
+    raw["pools"]["ngram"].update(max_ongoing_requests=32, max_queued_requests=112)
+    raw["pools"]["draft"].update(max_ongoing_requests=32, max_queued_requests=64)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory) -> Cluster:
+    attach = os.environ.get("SPECSERVE_TEST_ATTACH")  # dev loop: a config of a cluster already up
+    if attach:
+        yield Cluster(Path(attach), yaml.safe_load(Path(attach).read_text()), None, Path(os.devnull))
+        return
+    yield from launch_cluster(tmp_path_factory.mktemp("cluster"), "specserve-test", _session_overrides)

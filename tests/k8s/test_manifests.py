@@ -124,8 +124,8 @@ def test_serve_config_loads_with_ray_and_our_models(built, overlay):
     assert cfg == expected
     assert serve["http_options"] == {"host": "0.0.0.0", "port": cfg.api.http_port}
     assert serve["grpc_options"]["port"] == cfg.api.grpc_port
-    assert "specserve.v1.specserve_pb2_grpc.add_SpecServeServicer_to_server" in serve["grpc_options"]["grpc_servicer_functions"]
-    assert "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server" in serve["grpc_options"]["grpc_servicer_functions"]
+    assert "cluster.grpc_ingress.add_SpecServeServicer_to_server" in serve["grpc_options"]["grpc_servicer_functions"]
+    assert "cluster.grpc_ingress.add_HealthServicer_to_server" in serve["grpc_options"]["grpc_servicer_functions"]
     deps = {d["name"]: d for d in app["deployments"]}
     assert set(deps) == {"router"} | {f"engine-{p}" for p in cfg.pools}
     assert deps["router"]["num_replicas"] == cfg.router.replicas

@@ -36,8 +36,9 @@ class RouterMetrics:
         self.requests.inc(1, {**tags, "status": status})
         self.chosen_k.observe(decision.k, tags)
         if stats:
-            self.drafted.inc(int(stats.get("drafted", 0)), tags)
-            self.accepted.inc(int(stats.get("accepted", 0)), tags)
+            for counter, n in ((self.drafted, int(stats.get("drafted", 0))), (self.accepted, int(stats.get("accepted", 0)))):
+                if n > 0:  # Ray's Counter.inc refuses 0
+                    counter.inc(n, tags)
             if int(stats.get("steps", 0)) > 0:
                 self.acceptance_length.observe(float(stats.get("acceptance_length", 1.0)), tags)
 

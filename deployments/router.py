@@ -214,14 +214,15 @@ class Router:
         return ApiError(ErrorCode.INTERNAL, f"internal error ({type(e).__name__}); request id {rid}")
 
     def _record(self, model: str, d: Decision, comp: Completion) -> None:
-        if self.metrics is not None:
-            self.metrics.observe(d, comp.stats)
-        if self.tuning is None:
-            return
+        """Metrics and tuning state from a finished request; neither may ever fail the request."""
         try:
-            self.tuning.record_completion(model, d, comp, batch_per_replica=self.inflight.get(d.pool, 0))
-        except Exception:  # noqa: BLE001 - tuning must never fail a request
-            log.warning("tuning record failed for %s", comp.request_id, exc_info=True)
+            if self.metrics is not None:
+                self.metrics.observe(d, comp.stats)
+            if self.tuning is not None:
+                self.tuning.record_completion(model, d, comp, batch_per_replica=self.inflight.get(d.pool, 0))
+        except Exception:  # noqa: BLE001 - see docstring; logged with context
+            log.warning("recording stats of %s (pool %s, mode %s, k %d) failed", comp.request_id, d.pool,
+                        d.mode.value, d.k, exc_info=True)
 
     async def complete(self, req: GenerateRequest) -> Completion:
         comp = None

@@ -144,3 +144,30 @@ def test_no_first_output_is_bounded():
     r = post(router, BODY)
     assert r.status_code == 503 and b"no output" in r.body
     assert handles["ngram"].calls[0].cancelled
+
+
+def test_a_failing_stats_recorder_never_fails_the_request():
+    class Broken:
+        def observe(self, *a, **k):
+            raise ValueError("value must be >0, got 0")
+
+    router, _ = make_router(lambda: FakeCall([FINAL]))
+    router.metrics = Broken()
+    assert post(router, BODY).status_code == 200
+
+
+def test_router_metrics_accept_zero_counts():
+    import ray
+
+    from cluster.metrics import RouterMetrics
+    from cluster.routing import Decision
+    from cluster.speculation import SpecMode
+
+    ray.init(num_cpus=1, include_dashboard=False, ignore_reinit_error=True)
+    try:
+        m = RouterMetrics()
+        m.observe(Decision("ngram", SpecMode.NONE, 0, "policy", "chat"), {"drafted": 0, "accepted": 0, "steps": 3})
+        m.observe(Decision("ngram", SpecMode.NGRAM, 3, "policy", "code"),
+                  {"drafted": 6, "accepted": 4, "steps": 2, "acceptance_length": 3.0})
+    finally:
+        ray.shutdown()

@@ -327,6 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.add_arguments(b)
     b.set_defaults(func=bench_cli.run)
 
+    d = sub.add_parser("distill", help="train a drafter for a target by self-distillation, evaluate and ship it")
+    from cluster.distill import cli as distill_cli
+
+    distill_cli.add_arguments(d)
+    d.set_defaults(func=distill_cli.run)
+
     k = sub.add_parser("k8s", help="Kubernetes tools: `specserve k8s render [--overlay NAME] [--check]`")
     k.add_argument("action", choices=["render"])
     k.add_argument("render_args", nargs=argparse.REMAINDER, help="arguments of cluster/render.py")

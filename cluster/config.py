@@ -32,7 +32,9 @@ class ModelConfig(_Strict):
             "Where the weights come from: 'gguf-package:<module>/<file>.gguf' (a GGUF file shipped "
             "inside an installed Python package, converted once to a Hugging Face directory), "
             "'truncate:<model>:<layers>' (a drafter made from the first <layers> decoder layers of "
-            "another model in this file), a local Hugging Face directory, or a hub id."
+            "another model in this file), 'shipped:<model>:<dir>' (a distilled drafter shipped under "
+            "the cluster package, e.g. data/drafters/smollm2-135m-eagle, completed with target <model>'s "
+            "shared tensors), a local Hugging Face directory, or a hub id."
         )
     )
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
@@ -289,6 +291,12 @@ class ClusterConfig(_Strict):
                 if len(parts) != 3 or parts[1] not in self.models or not parts[2].isdigit():
                     raise ValueError(
                         f"models.{name}.source: expected 'truncate:<model>:<layers>' naming a model of this file"
+                    )
+            if model.source.startswith("shipped:"):
+                parts = model.source.split(":", 2)
+                if len(parts) != 3 or parts[1] not in self.models or not parts[2]:
+                    raise ValueError(
+                        f"models.{name}.source: expected 'shipped:<model>:<dir>' naming a model of this file"
                     )
         if self.router.default_mode not in ("auto", "none"):
             mode = SpecMode.parse(self.router.default_mode)

@@ -7,6 +7,10 @@ Sources (see `ModelConfig.source`):
   GGUF flag and saved as a normal Hugging Face directory with its tokenizer.
 - `truncate:<model>:<layers>`: a drafter made of the first <layers> decoder layers of another
   configured model (same tokenizer, embeddings and LM head).
+- `shipped:<model>:<dir>`: a distilled drafter shipped in this package (`<dir>` relative to the
+  `cluster` package, e.g. `data/drafters/smollm2-135m-eagle`): only its own tensors are stored;
+  the ones it shares with target `<model>` are taken from that model's prepared directory
+  (`cluster.distill.ship.assemble`, which refuses a different target).
 - a local directory: used as it is.
 - anything else: a hub id, passed to vLLM as it is (it downloads where the network allows).
 
@@ -31,6 +35,8 @@ log = logging.getLogger(__name__)
 
 GGUF_PREFIX = "gguf-package:"
 TRUNCATE_PREFIX = "truncate:"
+SHIPPED_PREFIX = "shipped:"
+PACKAGE_ROOT = Path(__file__).resolve().parent  # the `cluster` package
 _DONE = ".specserve-prepared"
 
 
@@ -128,6 +134,18 @@ def prepare_truncated(base_dir: Path, num_layers: int) -> Path:
     return _atomic_build(_cache_dir("truncate", f"{base_dir}:{num_layers}"), build)
 
 
+def prepare_shipped(rel: str, target_dir: Path) -> Path:
+    """A drafter shipped under the `cluster` package, completed with its target's shared tensors (cached)."""
+    from cluster.distill.ship import assemble
+
+    ship_dir = PACKAGE_ROOT / rel
+    if not (ship_dir / "drafter.json").is_file():
+        raise FileNotFoundError(f"shipped drafter {ship_dir} has no drafter.json")
+    digest = hashlib.sha256((ship_dir / "model.safetensors").read_bytes()).hexdigest()[:16]
+    return _atomic_build(_cache_dir("shipped", f"{ship_dir}:{target_dir}:{digest}"),
+                         lambda out: assemble(ship_dir, target_dir, out))
+
+
 def resolve_model(name: str, config: ClusterConfig, _seen: frozenset[str] = frozenset()) -> str:
     """Prepare model `name` of the config if needed; return a path or hub id for vLLM."""
     if name in _seen:
@@ -140,6 +158,10 @@ def resolve_model(name: str, config: ClusterConfig, _seen: frozenset[str] = froz
         _, base, layers = src.split(":")
         base_dir = Path(resolve_model(base, config, _seen | {name}))
         return str(prepare_truncated(base_dir, int(layers)))
+    if src.startswith(SHIPPED_PREFIX):
+        _, base, rel = src.split(":", 2)
+        base_dir = Path(resolve_model(base, config, _seen | {name}))
+        return str(prepare_shipped(rel, base_dir))
     path = Path(src).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():

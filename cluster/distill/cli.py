@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--num-layers", type=int, default=4, help="draft_model: target layers kept")
     p.add_argument("--unroll", type=int, default=3, help="eagle: draft steps trained per round")
-    p.add_argument("--lr", type=float, default=None, help="peak LR (default 5e-4 eagle, 2e-4 draft_model)")
+    p.add_argument("--lr", type=float, default=None, help="peak LR (default 2e-4)")
     p.add_argument("--batch-seqs", type=int, default=4)
     p.add_argument("--max-len", type=int, default=384)
     p.add_argument("--ckpt-every", type=int, default=100)
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
                                      temperature=args.temperature, seed=args.seed + 1 + i)
         print(f"data: {len(train_set)} training sequences, {sum(len(s['ids']) for s in train_set)} tokens")
         cfg = TrainConfig(kind=args.kind, steps=args.steps, time_budget_s=args.time_budget_s,
-                          lr=args.lr or (5e-4 if args.kind == "eagle" else 2e-4), unroll=args.unroll,
+                          lr=args.lr or 2e-4, unroll=args.unroll,
                           batch_seqs=args.batch_seqs, max_len=args.max_len, ckpt_every=args.ckpt_every,
                           seed=args.seed)
         train(cfg, drafter, target, train_set, out, resume=args.resume)

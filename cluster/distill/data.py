@@ -84,7 +84,7 @@ def generate(
         ids[i, L - len(p):] = torch.tensor(p)
         mask[i, L - len(p):] = 1
     pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, L]
-    out = target(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    out = target(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
     new: list[list[int]] = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool)
     pos = pos[:, -1:]
@@ -132,14 +132,16 @@ def corpus(
             samples += torch.load(path)
             continue
         gen = torch.Generator().manual_seed(seed * 100003 + s)  # per shard: a resumed run is identical
-        chunk = prompts[s * shard_size:(s + 1) * shard_size]
-        shard = []
-        for b in range(0, len(chunk), batch_size):
-            p_ids = [chat_ids(tokenizer, p) for p in chunk[b:b + batch_size]]
-            conts = generate(target, p_ids, max_new_tokens, temperature, gen, eos, pad)
-            for p, c in zip(p_ids, conts):
-                ids = torch.tensor(p + c, dtype=torch.long)
-                shard.append({"ids": ids, "prompt_len": len(p), "feats": features(target, ids).half()})
+        chunk = [chat_ids(tokenizer, p) for p in prompts[s * shard_size:(s + 1) * shard_size]]
+        order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]))  # batch similar lengths: less padding
+        done: dict[int, dict] = {}
+        for b in range(0, len(order), batch_size):
+            rows = order[b:b + batch_size]
+            conts = generate(target, [chunk[i] for i in rows], max_new_tokens, temperature, gen, eos, pad)
+            for i, c in zip(rows, conts):
+                ids = torch.tensor(chunk[i] + c, dtype=torch.long)
+                done[i] = {"ids": ids, "prompt_len": len(chunk[i]), "feats": features(target, ids).half()}
+        shard = [done[i] for i in range(len(chunk))]
         tmp = path.with_suffix(".tmp")
         torch.save(shard, tmp)
         os.replace(tmp, path)

@@ -31,7 +31,7 @@ def summarize(accepted: torch.Tensor, k_max: int) -> dict:
 
 def _starts(T: int, prompt_len: int, k: int) -> torch.Tensor:
     """Round starts whose bonus x_{t+1} is generated and whose K drafts lie inside the text."""
-    return torch.arange(max(prompt_len - 1, 0), T - k)
+    return torch.arange(max(prompt_len - 1, 0), max(T - k, prompt_len - 1, 0))
 
 
 @torch.no_grad()

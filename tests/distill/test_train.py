@@ -63,6 +63,10 @@ def test_resume_from_checkpoint_gives_identical_state(target, tmp_path):
     assert any(line.startswith("step 4/4 loss") and "tok/s" in line and "eta" in line for line in lines)
     for (k, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), k
+    # a fresh (not resumed) run in the same directory starts over and drops the old checkpoints
+    cfg.steps = 2
+    train(cfg, build_drafter("eagle", target, 1, seed=0), target, samples, tmp_path / "a", log_fn=lambda s: None)
+    assert [p.name for p in _ckpts(tmp_path / "a")] == ["step-000002.pt"]
 
 
 def test_time_budget_stops_and_checkpoints(target, tmp_path):

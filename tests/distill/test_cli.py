@@ -1,0 +1,19 @@
+import argparse
+
+from cluster.distill import cli
+
+
+def test_arguments_parse_with_their_defaults():
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    a = p.parse_args(["--kind", "draft_model", "--time-budget-s", "60", "--resume", "--eval-only"])
+    assert (a.kind, a.time_budget_s, a.resume, a.eval_only, a.eval_k) == ("draft_model", 60.0, True, True, 6)
+    assert p.parse_args([]).kind == "eagle"
+
+
+def test_build_drafter_gives_both_kinds(target):
+    head = cli.build_drafter("eagle", target, 1, seed=0)
+    draft = cli.build_drafter("draft_model", target, 1, seed=0)
+    assert sum(p.numel() for p in head.parameters()) > 0
+    assert draft.config.num_hidden_layers == 1
+    assert draft.model.embed_tokens.weight is target.model.embed_tokens.weight

@@ -124,6 +124,26 @@ def _pids(pattern: str) -> list[int]:
     return [int(p) for p in out.split()]
 
 
+def _parent_chain_has(pid: int, ancestors: list[int]) -> bool:
+    """Whether one of `ancestors` is a parent (or grandparent, ...) of `pid`."""
+    while pid > 1:
+        if pid in ancestors:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+    return False
+
+
+def _kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def _probe_ok(stub, mode: str) -> bool:
     req = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="ping")],
                              sampling=pb.SamplingParams(max_tokens=2),
@@ -152,6 +172,22 @@ def test_chaos_kill_engine_router_redis(chaos_cluster):
     with Load(c.grpc_target) as load:
         time.sleep(15)
         report["phases"]["steady"] = dict(load.snapshot())
+
+        # 0. a stalled (not killed) engine: SIGSTOP the draft pool's vLLM engine core. The replica's
+        #    health check runs a real 1-token generation, times out, and Ray Serve replaces it.
+        old_replica = _pids(f"ServeReplica:{app}:engine-draft")
+        stalled = [p for p in _pids("EngineCore") if _parent_chain_has(p, old_replica)]
+        assert stalled, "draft engine core process not found"
+        t_stop = time.monotonic()
+        for pid in stalled:
+            os.kill(pid, signal.SIGSTOP)
+        c.cleanups.append(lambda: [_kill_quietly(p) for p in stalled])
+        while set(_pids(f"ServeReplica:{app}:engine-draft")) & set(old_replica):
+            assert time.monotonic() - t_stop < RECOVERY_BOUND_S, "stalled replica was never replaced"
+            time.sleep(2)
+        report["stalled_engine_replaced_s"] = round(time.monotonic() - t_stop, 1)
+        report["stalled_engine_recovery_s"] = round(_wait_recovered(stub, "draft_model", t_stop), 1)
+        report["phases"]["after_engine_stall"] = dict(load.snapshot())
 
         # 1. an engine replica process (the ngram pool's only replica)
         pids = _pids(f"ServeReplica:{app}:engine-ngram")

@@ -349,3 +349,36 @@ def test_readme_covers_the_path_to_an_endpoint():
                    "kubectl apply -k k8s/overlays/gpu-prod", "specserve bench --url http://", "method: mtp",
                    "draft_model", "autoscaling"]:
         assert needle in text, needle
+
+
+def _import_errors(serve: dict) -> list[str]:
+    """Every code path the Serve config names must import: the app builder and the gRPC servicers."""
+    import importlib
+
+    paths = [a["import_path"] for a in serve["applications"]]
+    paths += (serve.get("grpc_options") or {}).get("grpc_servicer_functions", [])
+    errors = []
+    for path in paths:
+        module, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+        try:
+            if not callable(getattr(importlib.import_module(module), attr)):
+                errors.append(f"{path}: not callable")
+        except (ImportError, AttributeError) as e:
+            errors.append(f"{path}: {e}")
+    return errors
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_serve_import_paths_exist(built, overlay):
+    assert _import_errors(_serve(built[overlay])) == []
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda s: s["applications"][0].update(import_path="deployments.app:no_such_builder"),
+    lambda s: s["applications"][0].update(import_path="deployments.no_such_module:build_app"),
+    lambda s: s["grpc_options"]["grpc_servicer_functions"].append("cluster.grpc_ingress.add_Nothing_to_server"),
+])
+def test_a_missing_import_path_fails(built, mutate):
+    serve = copy.deepcopy(_serve(built["cpu-dev"]))
+    mutate(serve)
+    assert _import_errors(serve)

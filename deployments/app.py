@@ -69,8 +69,12 @@ def config_from_args(args: dict[str, Any]) -> ClusterConfig:
     raise ValueError("build_app args need `config` (a dict) or `config_path`")
 
 
-def build_app(args: dict[str, Any], platform_env: Optional[dict[str, str]] = None) -> serve.Application:
-    config = config_from_args(args)
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """The Ray Serve application builder (Ray requires exactly one parameter)."""
+    return build_app_for(config_from_args(args))
+
+
+def build_app_for(config: ClusterConfig, platform_env: Optional[dict[str, str]] = None) -> serve.Application:
     env = cpu_engine_env() if platform_env is None else platform_env
     engines = {}
     for name, pool in config.pools.items():

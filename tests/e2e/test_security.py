@@ -1,0 +1,106 @@
+"""Issue 10 on a real cluster with API keys and TLS on: no key, a wrong key and a revoked key are
+refused on HTTP (401) and gRPC (UNAUTHENTICATED); a valid key works; HTTPS and gRPC over TLS work
+with a certificate made by the test (and fail against another CA); health stays open."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import httpx
+import pytest
+
+from cluster.tls import make_test_ca_and_cert
+from specserve.v1 import specserve_pb2 as pb
+from specserve.v1 import specserve_pb2_grpc as pb_grpc
+from tests.e2e.conftest import _free_port, launch_cluster
+
+pytestmark = pytest.mark.engine
+
+KEEP = "sk-keep-0123456789abcdef0123"
+REVOKE = "sk-revoke-0123456789abcdef01"
+
+
+@pytest.fixture(scope="module")
+def secure(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("secure")
+    pki = make_test_ca_and_cert(tmp / "pki")
+    keys = tmp / "api-keys"
+    keys.write_text(f"keep:{KEEP}\nrevoke:{REVOKE}\n")
+
+    def mutate(raw):
+        raw["auth"] = {"enabled": True, "api_keys_file": str(keys), "reload_interval_s": 0.5}
+        raw["api"]["tls"] = {"certfile": str(pki.server_cert), "keyfile": str(pki.server_key),
+                             "grpc_tls_port": _free_port()}
+        raw["pools"] = {"ngram": raw["pools"]["ngram"]}  # one engine is enough here
+        raw["pools"]["ngram"]["max_k"] = 2
+
+    for c in launch_cluster(tmp, "specserve-secure", mutate):
+        yield c, pki, keys
+
+
+def _https(c) -> str:
+    return c.http_url.replace("http://", "https://")
+
+
+def _chat(c, pki, key):
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return httpx.post(f"{_https(c)}/v1/chat/completions", headers=headers, verify=str(pki.ca_cert), timeout=120,
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+
+
+def _grpc_stub(c, pki):
+    port = c.raw["api"]["tls"]["grpc_tls_port"]
+    creds = grpc.ssl_channel_credentials(root_certificates=pki.ca_cert.read_bytes())
+    channel = grpc.secure_channel(f"localhost:{port}", creds)
+    return channel, pb_grpc.SpecServeStub(channel)
+
+
+def _grpc_list(stub, key):
+    md = [("authorization", f"Bearer {key}")] if key is not None else []
+    return stub.ListModels(pb.ListModelsRequest(), metadata=md, timeout=60)
+
+
+def test_keys_on_http_and_grpc_with_tls(secure):
+    c, pki, keys = secure
+    # HTTPS with the test CA
+    assert _chat(c, pki, KEEP).status_code == 200
+    for bad in (None, "sk-wrong-0123456789abcdef012"):
+        r = _chat(c, pki, bad)
+        assert r.status_code == 401 and r.json()["error"]["message"] == "missing or invalid API key"
+    # gRPC over the TLS port
+    channel, stub = _grpc_stub(c, pki)
+    assert _grpc_list(stub, KEEP).models[0].name == "smollm2-135m"
+    for bad in (None, "sk-wrong-0123456789abcdef012"):
+        with pytest.raises(grpc.RpcError) as e:
+            _grpc_list(stub, bad)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # health stays reachable without a key (allow_unauthenticated_health defaults to true)
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(channel)
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=30).status == health_pb2.HealthCheckResponse.SERVING
+    # revocation: rewrite the key file, no restart
+    assert _chat(c, pki, REVOKE).status_code == 200
+    keys.write_text(f"keep:{KEEP}\n")
+    deadline = time.monotonic() + 15
+    while _chat(c, pki, REVOKE).status_code != 401:
+        assert time.monotonic() < deadline, "revoked key still accepted"
+        time.sleep(0.5)
+    with pytest.raises(grpc.RpcError) as e:
+        _grpc_list(stub, REVOKE)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert _chat(c, pki, KEEP).status_code == 200
+    channel.close()
+
+
+def test_tls_refuses_another_ca(secure, tmp_path):
+    c, _, _ = secure
+    other = make_test_ca_and_cert(tmp_path / "other")
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{_https(c)}/v1/models", verify=str(other.ca_cert), timeout=30)
+    channel, stub = _grpc_stub(c, other)
+    with pytest.raises(grpc.RpcError) as e:
+        _grpc_list(stub, KEEP)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    channel.close()

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cluster.speculation import SpecMode
+from cluster.speculation import WORKLOAD_CLASSES, SpecMode
 
 # Methods that run on vLLM's CPU build here; the rest are passed through to vLLM on GPUs.
 CPU_METHODS = {SpecMode.NONE, SpecMode.NGRAM, SpecMode.DRAFT_MODEL, SpecMode.EAGLE}
@@ -103,6 +103,21 @@ class PoolConfig(_Strict):
     drain_grace_s: float = Field(
         60.0, ge=0, description="On scale-down or upgrade, a replica finishes its requests for at most this long."
     )
+    hardware_group: Optional[str] = Field(
+        None,
+        description=(
+            "Pools with the same group run on the same hardware (e.g. every pool of a one-machine "
+            "cluster): the router sees their load as one, and consolidates plain decoding instead of "
+            "spreading it, since another engine on the same cores is not spare capacity."
+        ),
+    )
+    prior_alpha: dict[str, float] = Field(
+        default_factory=dict,
+        description=(
+            "Cold-start acceptance rate α per workload class for this pool's method, measured on this "
+            "target (`*` for every class not listed); live traffic outweighs it. Empty: built-in priors."
+        ),
+    )
 
     @field_validator("bundles")
     @classmethod
@@ -113,6 +128,16 @@ class PoolConfig(_Strict):
             for res, amount in b.items():
                 if amount < 0:
                     raise ValueError(f"resource {res!r} must be >= 0, got {amount}")
+        return v
+
+    @field_validator("prior_alpha")
+    @classmethod
+    def _prior_alpha(cls, v: dict[str, float]) -> dict[str, float]:
+        for c, a in v.items():
+            if c != "*" and c not in WORKLOAD_CLASSES:
+                raise ValueError(f"unknown workload class {c!r}; classes: {sorted(WORKLOAD_CLASSES)} or '*'")
+            if not 0.0 <= a <= 0.99:
+                raise ValueError(f"{c}: α must be within 0..0.99, got {a}")
         return v
 
     @model_validator(mode="after")

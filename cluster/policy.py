@@ -161,15 +161,20 @@ class TuningView:
     chosen_k: Mapping[CellKey, int] = field(default_factory=dict)
     fetched_unix_s: float = 0.0
     rng: Optional[random.Random] = field(default=None, compare=False)
-    # (mode, bucket) -> sum over classes; computed once from `cells` (kept by dataclasses.replace).
+    # (mode, bucket) -> sum over classes, (mode, class) -> sum over buckets; computed once from
+    # `cells` (kept by dataclasses.replace).
     by_mode_bucket: Optional[Mapping[tuple[str, str], CellStats]] = field(default=None, compare=False, repr=False)
+    by_mode_class: Optional[Mapping[tuple[str, str], CellStats]] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        if self.by_mode_bucket is None:
-            sums: dict[tuple[str, str], CellStats] = {}
-            for (mode, _, bucket), cell in self.cells.items():
-                sums[(mode, bucket)] = sums.get((mode, bucket), CellStats()) + cell
-            object.__setattr__(self, "by_mode_bucket", sums)
+        if self.by_mode_bucket is None or self.by_mode_class is None:
+            buckets: dict[tuple[str, str], CellStats] = {}
+            classes: dict[tuple[str, str], CellStats] = {}
+            for (mode, wclass, bucket), cell in self.cells.items():
+                buckets[(mode, bucket)] = buckets.get((mode, bucket), CellStats()) + cell
+                classes[(mode, wclass)] = classes.get((mode, wclass), CellStats()) + cell
+            object.__setattr__(self, "by_mode_bucket", buckets)
+            object.__setattr__(self, "by_mode_class", classes)
 
     def cell(self, mode: str, workload_class: str, bucket: str) -> CellStats:
         return self.cells.get((mode, workload_class, bucket), _ZERO)
@@ -177,6 +182,11 @@ class TuningView:
     def merged(self, mode: str, bucket: str) -> CellStats:
         """The cells of `mode` at `bucket` summed over workload classes."""
         return self.by_mode_bucket.get((mode, bucket), _ZERO)
+
+    def class_cell(self, mode: str, workload_class: str) -> CellStats:
+        """The cells of `mode` for `workload_class` summed over load buckets: acceptance depends on
+        what is drafted and the text, not on the batch, so every bucket learns from all traffic."""
+        return self.by_mode_class.get((mode, workload_class), _ZERO)
 
 
 # -- the model ------------------------------------------------------------------------------------
@@ -201,7 +211,12 @@ def expected_tokens_per_step(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def prior_alpha(mode: str, workload_class: str) -> float:
+def prior_alpha(mode: str, workload_class: str, measured: Mapping[str, float] | tuple = ()) -> float:
+    """Cold-start α of `mode` for `workload_class`: the pool's measured prior (`PoolConfig.prior_alpha`,
+    by class or `*`) when it has one, else the built-in Spec-Bench-like table."""
+    measured = dict(measured)
+    if workload_class in measured or "*" in measured:
+        return float(measured.get(workload_class, measured.get("*")))
     if mode in (SpecMode.NGRAM.value, SpecMode.SUFFIX.value):
         a = PRIOR_ALPHA_NGRAM.get(workload_class, 0.2)
         return min(a + 0.05, 0.95) if mode == SpecMode.SUFFIX.value else a
@@ -304,21 +319,22 @@ class Candidate:
         return self.pool.method != SpecMode.NONE and self.pool.max_k > 0
 
 
-_SCORE_CACHE: dict[tuple, tuple] = {}  # (mode, class, bucket, max_k, step_rel, params) -> (cells, result)
+_SCORE_CACHE: dict[tuple, tuple] = {}  # (mode, class, bucket, max_k, step_rel, priors, params) -> (cells, result)
 _SCORE_CACHE_MAX = 4096
 
 
-def _pool_scores(view, mode, workload_class, bucket, max_k, step_rel, params):
-    """(alpha, (a, b), cost, {K: score}) of one cell. Memoised per view refresh: the result depends
-    only on the view's cells (replaced as a whole on each refresh), so the request path pays the
-    posterior and cost arithmetic once per cell and refresh, not once per request."""
+def _pool_scores(view, mode, workload_class, bucket, max_k, step_rel, priors, params):
+    """(alpha, (a, b), cost, {K: score}) of one cell. α is learned per (mode, class) over every
+    load bucket; the cost per K per bucket. Memoised per view refresh: the result depends only on
+    the view's cells (replaced as a whole on each refresh), so the request path pays the posterior
+    and cost arithmetic once per cell and refresh, not once per request."""
     cells = view.cells if view is not None else None
-    key = (mode, workload_class, bucket, max_k, step_rel, params)
+    key = (mode, workload_class, bucket, max_k, step_rel, priors, params)
     hit = _SCORE_CACHE.get(key)
     if hit is not None and hit[0] is cells:
         return hit[1]
-    cell = view.cell(mode, workload_class, bucket) if view is not None else _ZERO
-    a, b = alpha_posterior(cell, prior_alpha(mode, workload_class), params)
+    cell = view.class_cell(mode, workload_class) if view is not None else _ZERO
+    a, b = alpha_posterior(cell, prior_alpha(mode, workload_class, priors), params)
     alpha = a / (a + b)
     cost = cost_per_k(view, mode, bucket, params)
     result = (alpha, (a, b), cost, {k: score(alpha, k, cost, step_rel) for k in range(max_k + 1)})
@@ -330,29 +346,47 @@ def _pool_scores(view, mode, workload_class, bucket, max_k, step_rel, params):
 
 def score_pool(pool, workload_class: str, view: Optional[TuningView], params: PolicyParams = DEFAULT_PARAMS) -> Candidate:
     """Score K = 0..max_k of `pool` for one request of `workload_class` at the pool's live load."""
-    bucket = load_bucket(pool.batch_per_replica + 1.0)
+    bucket = load_bucket(pool.load_batch + 1.0)
     mode = pool.method.value
     step_rel = step_time_rel(view, bucket, params)
     max_k = min(max(int(pool.max_k), 0), MAX_K)
     if pool.method == SpecMode.NONE or max_k == 0:
         return Candidate(pool, bucket, 0.0, (0.0, 1.0), 0.0, step_rel, {0: score(0.0, 0, 0.0, step_rel)}, 0)
-    alpha, (a, b), cost, scores = _pool_scores(view, mode, workload_class, bucket, max_k, step_rel, params)
+    alpha, (a, b), cost, scores = _pool_scores(view, mode, workload_class, bucket, max_k, step_rel,
+                                               pool.prior_alpha, params)
     incumbent = view.chosen_k.get((mode, workload_class, bucket)) if view is not None else None
     return Candidate(pool, bucket, alpha, (a, b), cost, step_rel, scores, hysteresis_k(scores, incumbent, params))
 
 
-def _sampled_k(cand: Candidate, rng: random.Random, params: PolicyParams) -> int:
-    """Thompson sampling: K that is best for an α drawn from the candidate's posterior."""
+def _sampled(cand: Candidate, rng: random.Random, params: PolicyParams) -> tuple[float, int]:
+    """Thompson sampling: (score, K) of the K that is best for an α drawn from the posterior."""
     if not cand.speculative:
-        return 0
+        return cand.scores[0], 0
     alpha = rng.betavariate(*cand.alpha_beta)
-    return best_k({k: score(alpha, k, cand.cost, cand.step_rel) for k in cand.scores}, params.tie_tol)
+    scores = {k: score(alpha, k, cand.cost, cand.step_rel) for k in cand.scores}
+    k = best_k(scores, params.tie_tol)
+    return scores[k], k
 
 
-def _rank(c: Candidate) -> tuple:
-    # Best score first; at equal score plain decoding goes to a pool without a proposer, then the
-    # less loaded pool, then by name (deterministic).
-    return (-c.scores[c.k], c.k == 0 and c.speculative, c.pool.batch_per_replica, c.pool.name)
+def _proposer_rank(c: Candidate) -> int:
+    """Cost of the pool's proposer to a K = 0 request in its batches: none < lookup < model."""
+    return {SpecMode.NONE: 0, SpecMode.NGRAM: 1, SpecMode.SUFFIX: 1}.get(c.pool.method, 2)
+
+
+def _pick(options: list[tuple[Candidate, int, float]], tie_tol: float) -> tuple[Candidate, int, float]:
+    """The best (candidate, K, score). Scores within tie_tol of the best are equal; among them plain
+    decoding goes to the pool with the cheapest proposer; then pools with their own hardware take
+    the less loaded one (spreading adds capacity) while pools that share hardware take the busier
+    one (another engine on the same cores adds no capacity, and one batch verifies cheaper than
+    two); then by name (deterministic)."""
+    top = max(s for _, _, s in options)
+
+    def order(o: tuple[Candidate, int, float]) -> tuple:
+        c, k, s = o
+        load = -c.pool.batch_per_replica if c.pool.hardware_group is not None else c.pool.batch_per_replica
+        return (_proposer_rank(c) if k == 0 else 0, load, -s, c.pool.name)
+
+    return min((o for o in options if o[2] >= top * (1.0 - tie_tol)), key=order)
 
 
 def choose_auto(
@@ -366,20 +400,22 @@ def choose_auto(
     """Pool, mode and K that maximise the request's expected goodput (see module doc).
 
     Exploits the posterior means with hysteresis; with probability ε (when an RNG is given, or
-    `tuning.rng`) explores a uniformly chosen pool with a Thompson-sampled K. K is always within
-    0..pool.max_k; K = 0 means mode none. `router` is accepted for the routing contract (its
-    default_k is not used: priors replace it)."""
+    `tuning.rng`) explores by Thompson sampling: every pool draws α from its posterior and the
+    best sampled (pool, K) wins, so a pool whose posterior is confidently worse is almost never
+    tried while an uncertain one is. K is always within 0..pool.max_k; K = 0 means mode none.
+    `router` is accepted for the routing contract (its default_k is not used: priors replace it)."""
     from cluster.routing import Decision
 
     del router
     rng = rng if rng is not None else (tuning.rng if tuning is not None else None)
-    cands = sorted((score_pool(p, workload_class, tuning, params) for p in pools), key=_rank)
-    chosen, k, explore = cands[0], cands[0].k, False
+    cands = [score_pool(p, workload_class, tuning, params) for p in pools]
+    chosen, k, _ = _pick([(c, c.k, c.scores[c.k]) for c in cands], params.tie_tol)
+    explore = False
     if rng is not None:
         trials = sum(sum(c.alpha_beta) - params.prior_trials for c in cands if c.speculative)
         if rng.random() < exploration_rate(trials, params):
-            chosen = cands[rng.randrange(len(cands))]
-            k, explore = _sampled_k(chosen, rng, params), True
+            chosen, k, _ = _pick([(c, *reversed(_sampled(c, rng, params))) for c in cands], params.tie_tol)
+            explore = True
     k = min(k, chosen.pool.max_k)
     detail = {
         "load_bucket": chosen.bucket, "pool_mode": chosen.mode, "explore": explore,
@@ -411,6 +447,7 @@ def class_weights(view: Optional[TuningView], mode: str) -> dict[str, float]:
 
 def k_cap_table(
     mode: str, max_k: int, view: Optional[TuningView], params: PolicyParams = DEFAULT_PARAMS,
+    priors: Mapping[str, float] | tuple = (),
 ) -> list[tuple[int, int]]:
     """`k_cap_by_batch` for a pool: [(min_batch_size, k_cap), ...], the format the engine reads.
 
@@ -423,20 +460,20 @@ def k_cap_table(
         return [(1, 0)]
     weights = class_weights(view, mode)
 
-    def class_alpha(c: str, bucket: str) -> float:
-        cell = view.cell(mode, c, bucket) if view is not None else _ZERO
-        a, b = alpha_posterior(cell, prior_alpha(mode, c), params)
+    def class_alpha(c: str) -> float:
+        cell = view.class_cell(mode, c) if view is not None else _ZERO
+        a, b = alpha_posterior(cell, prior_alpha(mode, c, priors), params)
         return a / (a + b)
 
+    alphas = {c: class_alpha(c) for c in weights}
     admitted = {}
     for c in weights:
-        alpha, cost = class_alpha(c, "1"), cost_per_k(view, mode, "1", params)
-        admitted[c] = best_k({k: score(alpha, k, cost) for k in range(max_k + 1)}, params.tie_tol)
+        cost = cost_per_k(view, mode, "1", params)
+        admitted[c] = best_k({k: score(alphas[c], k, cost) for k in range(max_k + 1)}, params.tie_tol)
     table: list[tuple[int, int]] = []
     previous = max_k
     for start, bucket in LOAD_BUCKETS:
         cost = cost_per_k(view, mode, bucket, params)
-        alphas = {c: class_alpha(c, bucket) for c in weights}
         totals = {
             cap: sum(w * score(alphas[c], min(admitted[c], cap), cost) for c, w in weights.items())
             for cap in range(previous + 1)

@@ -8,7 +8,7 @@ or, with `default_mode: auto`, the adaptive policy (`cluster.policy.choose_auto`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from cluster.api import ApiError, ErrorCode
@@ -28,6 +28,9 @@ class PoolView:
     running: float = 0.0  # requests in flight over all replicas (live, sampled)
     waiting: float = 0.0  # requests queued in the engines
     max_ongoing_requests: int = 64  # per replica
+    hardware_group: Optional[str] = None  # pools of one group share hardware (PoolConfig.hardware_group)
+    group_load: Optional[float] = None  # requests in flight over every pool of the group (live)
+    prior_alpha: tuple[tuple[str, float], ...] = ()  # (workload class or "*", α): measured cold-start priors
 
     @property
     def modes(self) -> tuple[SpecMode, ...]:
@@ -36,6 +39,14 @@ class PoolView:
     @property
     def batch_per_replica(self) -> float:
         return (self.running + self.waiting) / max(self.replicas, 1)
+
+    @property
+    def load_batch(self) -> float:
+        """The batch whose step time a request joining this pool pays for: its replica's batch, or,
+        when the pool shares hardware with others, everything in flight on that hardware."""
+        if self.hardware_group is not None and self.group_load is not None:
+            return max(self.group_load, self.batch_per_replica)
+        return self.batch_per_replica
 
 
 @dataclass(frozen=True)
@@ -55,9 +66,23 @@ def pool_views(config: ClusterConfig) -> list[PoolView]:
         PoolView(
             name=name, model=p.model, method=p.method, max_k=p.max_k,
             replicas=p.autoscaling.min_replicas if p.autoscaling else p.replicas,
-            max_ongoing_requests=p.max_ongoing_requests,
+            max_ongoing_requests=p.max_ongoing_requests, hardware_group=p.hardware_group,
+            prior_alpha=tuple(sorted(p.prior_alpha.items())),
         )
         for name, p in config.pools.items()
+    ]
+
+
+def with_load(views: list[PoolView], inflight: dict[str, float]) -> list[PoolView]:
+    """`views` with their live load: each pool's requests in flight, and its hardware group's total."""
+    groups: dict[str, float] = {}
+    for v in views:
+        if v.hardware_group is not None:
+            groups[v.hardware_group] = groups.get(v.hardware_group, 0.0) + float(inflight.get(v.name, 0))
+    return [
+        replace(v, running=float(inflight.get(v.name, 0)),
+                group_load=groups.get(v.hardware_group) if v.hardware_group is not None else None)
+        for v in views
     ]
 
 

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 from cluster.api import ApiError, ErrorCode, GenerateRequest, from_openai
 from cluster.auth import AUTH_ERROR_MESSAGE, ApiKeyStore, bearer_from_grpc, bearer_from_http
 from cluster.config import ClusterConfig
-from cluster.routing import Decision, PoolView, pool_views, resolve_model, route
+from cluster.routing import Decision, PoolView, pool_views, resolve_model, route, with_load
 from cluster.wire import Completion, openai_chunk, openai_error_event, openai_response
 from deployments.engine import EngineChunk, EngineRequest
 
@@ -66,11 +66,7 @@ class Router:
     # -- the decision ----------------------------------------------------------------------------
 
     def _live_pools(self, model: str) -> list[PoolView]:
-        out = []
-        for name, v in self.views.items():
-            if v.model == model:
-                out.append(PoolView(**{**v.__dict__, "running": float(self.inflight.get(name, 0))}))
-        return out
+        return [v for v in with_load(list(self.views.values()), self.inflight) if v.model == model]
 
     def decide(self, req: GenerateRequest) -> tuple[str, Decision]:
         """Validated request -> (model, Decision). Pure apart from reading the live counters."""
@@ -120,7 +116,8 @@ class Router:
             from cluster.policy import k_cap_table
 
             pool = self.config.pools[pool_name]
-            cached = (now, k_cap_table(pool.method.value, pool.max_k, self.tuning.snapshot(model)))
+            cached = (now, k_cap_table(pool.method.value, pool.max_k, self.tuning.snapshot(model),
+                                       priors=pool.prior_alpha))
             self._caps[pool_name] = cached
         return cached[1]
 
@@ -219,7 +216,9 @@ class Router:
             if self.metrics is not None:
                 self.metrics.observe(d, comp.stats)
             if self.tuning is not None:
-                self.tuning.record_completion(model, d, comp, batch_per_replica=self.inflight.get(d.pool, 0))
+                live = {v.name: v for v in with_load(list(self.views.values()), self.inflight)}
+                load = live[d.pool].load_batch if d.pool in live else 0.0
+                self.tuning.record_completion(model, d, comp, batch_per_replica=load)
         except Exception:  # noqa: BLE001 - see docstring; logged with context
             log.warning("recording stats of %s (pool %s, mode %s, k %d) failed", comp.request_id, d.pool,
                         d.mode.value, d.k, exc_info=True)

@@ -26,16 +26,22 @@ ROUTER = RouterConfig()
 P = PolicyParams()
 
 
-def ngram(running=0.0, max_k=6, name="ngram"):
-    return PoolView(name=name, model="m", method=SpecMode.NGRAM, max_k=max_k, running=running)
+def _priors(prior):
+    return prior if isinstance(prior, tuple) else ((("*", prior),) if prior is not None else ())
+
+
+def ngram(running=0.0, max_k=6, name="ngram", prior=None):
+    return PoolView(name=name, model="m", method=SpecMode.NGRAM, max_k=max_k, running=running,
+                    prior_alpha=_priors(prior))
 
 
 def plain(running=0.0, name="plain"):
     return PoolView(name=name, model="m", method=SpecMode.NONE, max_k=0, running=running)
 
 
-def draft(running=0.0, max_k=4, name="draft"):
-    return PoolView(name=name, model="m", method=SpecMode.DRAFT_MODEL, max_k=max_k, running=running)
+def draft(running=0.0, max_k=4, name="draft", prior=None):
+    return PoolView(name=name, model="m", method=SpecMode.DRAFT_MODEL, max_k=max_k, running=running,
+                    prior_alpha=_priors(prior))
 
 
 def simulate(alpha: float, k: int, steps: int, rng: random.Random, drafted_len=None) -> SpecStats:
@@ -318,14 +324,42 @@ def test_exploration_is_seeded_and_deterministic():
     assert run(5) == run(5) and run(5) != run(6)
 
 
-def test_exploration_rate_and_coverage_match_epsilon():
+def test_exploration_rate_and_thompson_coverage_at_cold_start():
     pools = [ngram(), draft(), plain()]
     rng = random.Random(2)
     ds = [choose_auto(pools, ROUTER, "chat", TuningView("m", rng=rng)) for _ in range(4000)]
     explored = [d for d in ds if d.detail["explore"]]
     assert len(explored) / len(ds) == pytest.approx(P.eps_max, abs=0.02)
-    assert {d.pool for d in explored} == {"ngram", "draft", "plain"}
-    assert len({d.k for d in explored if d.pool == "ngram"}) >= 2  # Thompson samples vary K
+    # With priors only, both speculative pools are plausible winners and both get tried.
+    assert {d.pool for d in explored} >= {"ngram", "draft"}
+    assert len({d.k for d in explored}) >= 2  # Thompson samples vary K
+
+
+def test_exploration_spares_a_pool_that_is_confidently_worse():
+    # draft: 20k trials at α≈0.04 (the truncated drafter here); ngram: 20k trials at α≈0.4.
+    rng = random.Random(3)
+    cells = {("draft_model", "chat", "1"): cell_from([simulate(0.04, 2, 10000, rng)]),
+             ("ngram", "chat", "1"): cell_from([simulate(0.4, 3, 10000, rng)])}
+    view = TuningView("m", cells=cells, rng=random.Random(4))
+    ds = [choose_auto([ngram(), draft()], ROUTER, "chat", view) for _ in range(3000)]
+    explored = [d for d in ds if d.detail["explore"]]
+    assert explored  # ε > 0 ...
+    assert sum(d.pool == "draft" and d.k > 0 for d in explored) == 0  # ... but never on the losing drafter
+    assert all(d.pool == "ngram" for d in ds if not d.detail["explore"])
+
+
+def test_uncertain_pool_is_explored_more_than_a_confidently_worse_one():
+    rng = random.Random(5)
+    known_bad = {("draft_model", "chat", "1"): cell_from([simulate(0.04, 2, 10000, rng)]),
+                 ("ngram", "chat", "1"): cell_from([simulate(0.3, 3, 3000, rng)])}
+    unknown = {k: v for k, v in known_bad.items() if k[0] == "ngram"}
+
+    def draft_share(cells, seed):
+        view = TuningView("m", cells=cells, rng=random.Random(seed))
+        ds = [choose_auto([ngram(), draft()], ROUTER, "chat", view) for _ in range(3000)]
+        return sum(d.pool == "draft" and d.k > 0 for d in ds) / len(ds)
+
+    assert draft_share(unknown, 6) > draft_share(known_bad, 6) + 0.01
 
 
 # -- the k_cap_by_batch table -----------------------------------------------------------------------
@@ -392,3 +426,62 @@ def test_tuning_rows_have_the_tuning_entry_fields():
         for key in ("model", "mode", "workload_class", "load_bucket", "chosen_k", "acceptance_length",
                     "acceptance_per_position", "tokens_per_s", "samples"):
             assert row[key] is not None
+
+
+# -- shared hardware, pooled acceptance, measured priors ---------------------------------------------
+
+def test_plain_decoding_consolidates_on_shared_hardware_and_spreads_on_separate():
+    from dataclasses import replace
+
+    from cluster.routing import with_load
+
+    # Nothing pays for speculation (α = 0): K = 0 everywhere, so only the tie-breaks decide.
+    priors = (("*", 0.0),)
+    a = PoolView(name="a", model="m", method=SpecMode.NGRAM, max_k=4, prior_alpha=priors)
+    b = PoolView(name="b", model="m", method=SpecMode.NGRAM, max_k=4, prior_alpha=priors)
+    separate = with_load([a, b], {"a": 5, "b": 1})
+    assert choose_auto(separate, ROUTER, "chat").pool == "b"  # own hardware: the less loaded one
+    shared = with_load([replace(a, hardware_group="box"), replace(b, hardware_group="box")], {"a": 5, "b": 1})
+    assert [p.group_load for p in shared] == [6.0, 6.0]
+    d = choose_auto(shared, ROUTER, "chat")
+    assert d.pool == "a" and d.k == 0  # shared: the busier engine, not a second batch on the same cores
+    assert d.detail["load_bucket"] == load_bucket(7)  # the group's load, not the pool's
+
+
+def test_plain_decoding_prefers_the_cheapest_proposer_at_a_tie():
+    d = choose_auto([draft(prior=0.0), ngram(prior=0.0)], ROUTER, "chat")
+    assert (d.pool, d.k) == ("ngram", 0)
+
+
+def test_acceptance_is_learned_across_load_buckets():
+    # Traffic only at batch 1 says translation copies (α≈0.7); a request at batch 5 uses that.
+    rng = random.Random(7)
+    cells = {("ngram", "translation", "1"): cell_from([simulate(0.7, 6, 3000, rng)])}
+    view = TuningView("m", cells=cells)
+    d = choose_auto([ngram(running=4)], ROUTER, "translation", view)
+    assert d.detail["load_bucket"] == "4-7"
+    assert d.detail["alpha"] == pytest.approx(0.7, abs=0.03)
+    assert d.k >= 4
+
+
+def test_measured_priors_replace_the_builtin_table():
+    assert prior_alpha("ngram", "translation") < 0.1  # built-in: Spec-Bench's large models
+    assert prior_alpha("ngram", "translation", (("translation", 0.65), ("*", 0.2))) == 0.65
+    assert prior_alpha("ngram", "qa", (("translation", 0.65), ("*", 0.2))) == 0.2
+    cold = choose_auto([ngram()], ROUTER, "translation")
+    measured = choose_auto([ngram(prior=(("translation", 0.65),))], ROUTER, "translation")
+    assert cold.k <= 1 < 5 <= measured.k
+    assert k_cap_table("draft_model", 4, None, priors=(("*", 0.04),)) == [(1, 0)]
+
+
+def test_pool_config_validates_priors():
+    from cluster.config import ConfigError, parse_config
+
+    raw = {"models": {"m": {"source": "hub/x"}},
+           "pools": {"p": {"model": "m", "method": "ngram", "max_k": 2, "prior_alpha": {"translation": 0.6}}}}
+    assert parse_config(raw).pools["p"].prior_alpha == {"translation": 0.6}
+    for bad, words in (({"poetry": 0.5}, "poetry"), ({"chat": 1.5}, "0.99")):
+        raw["pools"]["p"]["prior_alpha"] = bad
+        with pytest.raises(ConfigError, match=words) as e:
+            parse_config(raw)
+        assert "prior_alpha" in str(e.value)

@@ -29,6 +29,10 @@ class RouterMetrics:
         self.fallbacks = Counter("specserve_tuning_fallbacks",
                                  "Decisions taken on defaults/priors because Redis tuning state was unavailable.",
                                  tag_keys=("workload_class",))
+        self.tuning_ignored = Counter(
+            "specserve_tuning_ignored_keys",
+            "Tuning keys in Redis ignored as malformed (wrong type, too many fields, too big, bad values).",
+            tag_keys=("reason",))
 
     def observe(self, decision: Any, stats: Optional[dict], status: str = "ok") -> None:
         tags = {"workload_class": decision.workload_class, "mode": decision.mode.value, "pool": decision.pool,
@@ -44,3 +48,6 @@ class RouterMetrics:
 
     def fallback(self, workload_class: str) -> None:
         self.fallbacks.inc(1, {"workload_class": workload_class})
+
+    def tuning_key_ignored(self, reason: str) -> None:
+        self.tuning_ignored.inc(1, {"reason": reason})

@@ -175,6 +175,7 @@ class TuningStore:
         io_timeout_s: Optional[float] = None,
         rng_seed: Optional[int] = None,
         repair_malformed: bool = True,
+        on_malformed: Optional[Callable[[str], None]] = None,
         clock: Callable[[], float] = time.time,
         start: bool = True,
     ):
@@ -182,6 +183,7 @@ class TuningStore:
         self.ttl_s = int(ttl_s)
         self.flush_interval_s, self.refresh_interval_s = flush_interval_s, refresh_interval_s
         self.repair_malformed = repair_malformed
+        self.on_malformed = on_malformed  # called with the reason's kind (e.g. a Prometheus counter)
         self._clock = clock
         # Off the request path, so a little more than the per-call budget; never any retry.
         timeout = io_timeout_s if io_timeout_s is not None else max(config.socket_timeout_s, 0.25)
@@ -402,11 +404,11 @@ class TuningStore:
         present = []
         for key, n, size in zip(candidates, replies[0::2], replies[1::2]):
             if isinstance(n, Exception):
-                self._malformed(key, f"not a hash ({n})")
+                self._malformed(key, f"not a hash ({n})", "type")
             elif n > MAX_FIELDS:
-                self._malformed(key, f"{n} fields")
+                self._malformed(key, f"{n} fields", "fields")
             elif isinstance(size, int) and size > MAX_KEY_BYTES:
-                self._malformed(key, f"{size} bytes")
+                self._malformed(key, f"{size} bytes", "size")
             elif n:
                 present.append((known[key], key))
         pipe = self._redis.pipeline(transaction=False)
@@ -422,7 +424,7 @@ class TuningStore:
                     raise MalformedCell(str(fields))
                 cell, k = parse_cell(fields, now, max_age_s)
             except MalformedCell as e:
-                self._malformed(key, str(e))
+                self._malformed(key, str(e), "value")
                 continue
             cells[ck] = cell
             if k is not None:
@@ -460,9 +462,16 @@ class TuningStore:
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _malformed(self, key: str, reason: str) -> None:
+    def _malformed(self, key: str, reason: str, kind: str) -> None:
+        """A key that failed validation: ignored (warning, counter, metric hook), deleted on the
+        next flush when `repair_malformed`. `kind` is one of type / fields / size / value."""
         self.counters["malformed_cells"] += 1
         self._warn(("malformed", key), "ignoring tuning key %s: %s", key, reason)
+        if self.on_malformed is not None:
+            try:
+                self.on_malformed(kind)
+            except Exception:  # noqa: BLE001 - a metrics hook must not break the refresh
+                log.debug("on_malformed hook failed", exc_info=True)
         if self.repair_malformed:
             with self._lock:
                 self._to_delete.add(key)

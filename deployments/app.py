@@ -45,14 +45,15 @@ class RouterReplica(Router):
         auth = ApiKeyStore.from_config(config.auth) if config.auth.enabled else None
         from cluster.metrics import RouterMetrics
 
-        super().__init__(config, engines, tuning=_make_tuning(config), classifier=_make_classifier(), auth=auth,
-                         metrics=RouterMetrics())
+        metrics = RouterMetrics()
+        super().__init__(config, engines, tuning=_make_tuning(config, on_malformed=metrics.tuning_key_ignored),
+                         classifier=_make_classifier(), auth=auth, metrics=metrics)
 
 
-def _make_tuning(config: ClusterConfig):
+def _make_tuning(config: ClusterConfig, **kwargs):
     from cluster.tuning import TuningStore
 
-    return TuningStore.from_config(config)
+    return TuningStore.from_config(config, **kwargs)
 
 
 def _make_classifier():

@@ -256,9 +256,11 @@ def test_poisoned_keys_are_ignored_counted_and_repaired(store_for, redis_client,
     redis_client.hset(key("ngram", "creative"), mapping={"steps": 10, "a0": 10 ** 12, "e0": 10, "updated": now})
     poisoned = 10
 
-    reader = store_for(rng_seed=0)
+    kinds: list[str] = []
+    reader = store_for(rng_seed=0, on_malformed=kinds.append)
     with caplog.at_level(logging.WARNING, logger="specserve.tuning"):
         assert reader.refresh_now("m")
+    assert sorted(kinds) == ["fields", "size", "type", "type"] + ["value"] * 6  # the metric hook, by reason
     view = reader.snapshot("m")
     assert set(view.cells) == {("ngram", "translation", "1")} and dict(view.chosen_k) == {}
     assert reader.counters["malformed_cells"] == poisoned

@@ -20,15 +20,20 @@ pool's per-step `k_cap_by_batch` table from the same state. Words are those of
   in the same load bucket, blended with priors.
 - **score** of (pool, K): expected output tokens per unit of plain-step time at batch 1,
   E(α, K) / (step_rel(batch) · (1 + c·K)) — proportional to the request's tokens per second.
-- **load bucket**: the batch the request joins (`PoolView.batch_per_replica + 1`) bucketed as
+- **load bucket**: the batch the request joins (`PoolView.load_batch + 1`: the pool's batch per
+  replica, or the whole hardware group's load when pools share hardware) bucketed as
   1, 2-3, 4-7, 8-15, 16+.
 
-Cold start uses priors (n-gram α per class after Spec-Bench; at batch 16 speculation costs
-throughput, 63.8 vs 70.1 tok/s here) and converges from live traffic as counts outweigh the
-prior's pseudo-counts. Exploration: with probability ε (shrinking with data) a uniformly chosen
-pool gets a Thompson-sampled K (α drawn from its Beta posterior); counts are capped so the
-posterior never freezes. Hysteresis: the incumbent K of a (mode, class, bucket) is kept unless
-another K beats it by `margin`.
+α is learned per (mode, workload class) from every load bucket's traffic (acceptance depends on
+the text and the drafter, not on the batch); cost per K and step time per bucket. Cold start uses
+priors: the pool's measured `prior_alpha` when configured, else a Spec-Bench-like table (n-gram α
+per class; at batch 16 speculation costs throughput, 63.8 vs 70.1 tok/s here), and converges
+from live traffic as counts outweigh the prior's pseudo-counts. Exploration: with probability ε
+(shrinking with data) every pool draws α from its Beta posterior and the best sampled (pool, K)
+wins (Thompson sampling), so a confidently worse pool is almost never tried; counts are capped
+so the posterior never freezes. Hysteresis: the incumbent K of a (mode, class, bucket) is kept
+unless another K beats it by `margin`. Ties (within `tie_tol`) go to the cheapest proposer for
+K = 0, then to the less loaded pool, or, for pools that share hardware, to the busier one.
 """
 
 from __future__ import annotations

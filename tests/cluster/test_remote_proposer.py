@@ -1,0 +1,203 @@
+"""Remote proposer: the breaker, the per-step session against a real DraftServer (tiny random model),
+timeouts that never block a step, and per-request K taken from the request's SamplingParams."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from cluster.remote_proposer import (  # noqa: E402
+    CircuitBreaker, RemoteDraftProposer, RemoteDraftSession, SeqWork, TcpDraftClient,
+)
+from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP  # noqa: E402
+from deployments.drafter import DraftModel, Drafter, DraftServer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture
+def server(hf_model):
+    s = DraftServer(Drafter(DraftModel(hf_model)), "127.0.0.1", 0)
+    yield s
+    s.close()
+
+
+class Recording:
+    """Wraps TcpDraftClient and keeps every message sent (what went over the wire)."""
+
+    def __init__(self):
+        self.sent: list[dict] = []
+
+    def __call__(self, endpoint):
+        client = TcpDraftClient(endpoint)
+        outer = self
+
+        class _C:
+            def call(self, msg, timeout_s):
+                outer.sent.append(msg)
+                return client.call(msg, timeout_s)
+
+            def close(self):
+                client.close()
+
+        return _C()
+
+
+def test_breaker_opens_after_consecutive_failures_and_probes_periodically():
+    b = CircuitBreaker(failures_to_open=2, reprobe_s=1.0)
+    assert b.allow(0.0)
+    b.failure(0.0)
+    assert not b.is_open and b.allow(0.1)
+    b.failure(0.1)
+    assert b.is_open
+    assert not b.allow(0.5)
+    assert b.allow(1.2)  # one probe
+    assert not b.allow(1.3)
+    b.success()
+    assert not b.is_open and b.allow(1.4)
+
+
+def test_session_sends_only_new_tokens_skips_k0_and_evicts_finished(server):
+    rec = Recording()
+    session = RemoteDraftSession(rec, timeout_s=5.0)
+    session.set_endpoint(server.address)
+    a, b = [5, 6, 7, 8], [9, 10, 11]
+    d = session.step([SeqWork("a", a, 3), SeqWork("b", b, 0)])
+    assert len(d[0]) == 3 and d[1] == []
+    assert [s[0] for s in rec.sent[-1]["seqs"]] == ["a"]  # K = 0 is not sent
+    a2 = a + d[0][:1] + [42]  # one draft accepted + bonus
+    session.step([SeqWork("a", np.array(a2), 2), SeqWork("b", b + [1], 0)])
+    assert rec.sent[-1]["seqs"] == [["a", 4, [d[0][0], 42], 2]]  # only the new tokens
+    session.step([SeqWork("c", [1, 2], 2)])  # "a" finished
+    assert rec.sent[-1]["evict"] == ["a"]
+    assert server.drafter.stats.sequences == 1
+
+
+def test_drafts_from_the_session_equal_the_drafters(server, hf_model):
+    session = RemoteDraftSession(TcpDraftClient, timeout_s=5.0)
+    session.set_endpoint(server.address)
+    ref = Drafter(DraftModel(hf_model))
+    got = session.step([SeqWork("a", [3, 1, 4, 1, 5], 4)])
+    assert got == ref.propose("x", [("a", 0, [3, 1, 4, 1, 5], 4)], [])[0]
+
+
+@pytest.fixture
+def silent_endpoint():
+    """A TCP server that accepts and never answers (a hung drafter)."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    conns = []
+    stop = threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            try:
+                conns.append(sock.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=loop, daemon=True).start()
+    yield f"127.0.0.1:{sock.getsockname()[1]}"
+    stop.set()
+    sock.close()
+    for c in conns:
+        c.close()
+
+
+def test_a_hung_drafter_costs_one_timeout_then_the_breaker_skips_it_until_a_probe(silent_endpoint, server):
+    now = [0.0]
+    session = RemoteDraftSession(TcpDraftClient, timeout_s=0.05, failures_to_open=2, reprobe_s=5.0,
+                                 clock=lambda: now[0])
+    session.set_endpoint(silent_endpoint)
+    for _ in range(2):
+        t0 = time.perf_counter()
+        assert session.step([SeqWork("a", [1, 2, 3], 2)]) == [[]]
+        assert time.perf_counter() - t0 < 0.5
+    assert session.breaker.is_open and session.failures == 2
+    t0 = time.perf_counter()
+    for _ in range(50):
+        assert session.step([SeqWork("a", [1, 2, 3], 2)]) == [[]]
+    assert time.perf_counter() - t0 < 0.05  # open: no calls, no timeouts
+    assert session.skipped_open == 50
+    # The drafter comes back elsewhere: a new endpoint is tried at once.
+    session.set_endpoint(server.address)
+    assert len(session.step([SeqWork("a", [1, 2, 3], 2)])[0]) == 2
+    assert not session.breaker.is_open
+
+
+def test_a_restarted_drafter_at_the_same_address_resyncs_lost_sequences(hf_model):
+    first = DraftServer(Drafter(DraftModel(hf_model)), "127.0.0.1", 0)
+    port = first.port
+    session = RemoteDraftSession(TcpDraftClient, timeout_s=5.0, failures_to_open=1, reprobe_s=0.0)
+    session.set_endpoint(first.address)
+    toks = [1, 2, 3, 4]
+    d = session.step([SeqWork("a", toks, 2)])
+    assert len(d[0]) == 2
+    first.close()
+    time.sleep(0.1)
+    toks = toks + [d[0][0], 7]
+    assert session.step([SeqWork("a", toks, 2)]) == [[]]  # connection broken: no drafts, no error
+    second = DraftServer(Drafter(DraftModel(hf_model)), "127.0.0.1", port)
+    try:
+        toks = toks + [8]
+        assert session.step([SeqWork("a", toks, 2)]) == [[]]  # it knows nothing: resync from 0
+        assert session.sent["a"] == 0 and session.resyncs == 1
+        toks = toks + [9]
+        assert len(session.step([SeqWork("a", toks, 2)])[0]) == 2  # resent whole: drafts again
+    finally:
+        second.close()
+
+
+def _proposer(k_max=4, max_model_len=64, remote=None):
+    cfg = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=k_max),
+        model_config=SimpleNamespace(max_model_len=max_model_len),
+        additional_config={"specserve": {"remote_drafter": remote or {"timeout_s": 5.0}}},
+    )
+    return RemoteDraftProposer(cfg)
+
+
+def _runner(req_ks: dict):
+    requests = {
+        rid: SimpleNamespace(sampling_params=SimpleNamespace(extra_args=extra)) for rid, extra in req_ks.items()
+    }
+    return SimpleNamespace(requests=requests, input_batch=SimpleNamespace(req_ids=list(req_ks)))
+
+
+def test_proposer_takes_each_requests_k_from_its_sampling_params(server):
+    p = _proposer(k_max=4)
+    p.session.set_endpoint(server.address)
+    sampled = [[1], [1], [1], []]
+    num_tokens = np.array([3, 3, 3, 3])
+    token_ids = np.tile(np.arange(64), (4, 1))
+    assert p.propose(sampled, num_tokens, token_ids) == [[], [], [], []]  # no runner attached yet
+    p.attach(_runner({
+        "k2": {EXTRA_ARGS_K: 2}, "k0": {EXTRA_ARGS_K: 0},
+        "capped": {EXTRA_ARGS_K: 4, EXTRA_ARGS_K_CAP: [[1, 4], [3, 1]]},  # batch of 4 -> K 1
+        "prefill": {EXTRA_ARGS_K: 3},
+    }))
+    d = p.propose(sampled, num_tokens, token_ids)
+    assert [len(x) for x in d] == [2, 0, 1, 0]
+
+
+def test_proposer_never_drafts_past_max_model_len(server):
+    p = _proposer(k_max=4, max_model_len=8)
+    p.session.set_endpoint(server.address)
+    p.attach(_runner({"a": {EXTRA_ARGS_K: 4}}))
+    d = p.propose([[1]], np.array([6]), np.tile(np.arange(8), (1, 1)))
+    assert len(d[0]) == 1

@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 from cluster.api import ApiError, ErrorCode, GenerateRequest, from_openai
 from cluster.auth import AUTH_ERROR_MESSAGE, ApiKeyStore, bearer_from_grpc, bearer_from_http
 from cluster.config import ClusterConfig
+from cluster.policy import load_bucket
 from cluster.routing import Decision, PoolView, pool_views, resolve_model, route, with_load
 from cluster.wire import Completion, openai_chunk, openai_error_event, openai_response
 from deployments.engine import EngineChunk, EngineRequest
@@ -79,6 +80,9 @@ class Router:
         decision = route(self._live_pools(model), self.config.router, wclass,
                          mode_override=spec.mode if spec else None, k_override=spec.k if spec else None,
                          tuning=tuning)
+        if "load_bucket" not in decision.detail:  # the bucket its stats belong to: the load it met
+            live = {v.name: v for v in self._live_pools(model)}
+            decision.detail["load_bucket"] = load_bucket(live[decision.pool].load_batch + 1.0)
         if self.tuning is not None:
             self.tuning.note_decision(model, decision)  # hysteresis: remember the chosen K
             if decision.decided_by == "policy" and self.metrics is not None and not self.tuning.healthy:
@@ -216,9 +220,7 @@ class Router:
             if self.metrics is not None:
                 self.metrics.observe(d, comp.stats)
             if self.tuning is not None:
-                live = {v.name: v for v in with_load(list(self.views.values()), self.inflight)}
-                load = live[d.pool].load_batch if d.pool in live else 0.0
-                self.tuning.record_completion(model, d, comp, batch_per_replica=load)
+                self.tuning.record_completion(model, d, comp)  # in the bucket of the load at admission
         except Exception:  # noqa: BLE001 - see docstring; logged with context
             log.warning("recording stats of %s (pool %s, mode %s, k %d) failed", comp.request_id, d.pool,
                         d.mode.value, d.k, exc_info=True)

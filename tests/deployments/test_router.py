@@ -171,3 +171,38 @@ def test_router_metrics_accept_zero_counts():
                   {"drafted": 6, "accepted": 4, "steps": 2, "acceptance_length": 3.0})
     finally:
         ray.shutdown()
+
+
+class RecordingTuning:
+    """Tuning store double: remembers what the router records (pure logic; the real store has its own tests)."""
+
+    healthy = True
+
+    def __init__(self):
+        self.records, self.decisions = [], []
+
+    def snapshot(self, model):
+        from cluster.policy import TuningView
+
+        return TuningView(model)
+
+    def note_decision(self, model, decision):
+        self.decisions.append(decision)
+
+    def record_completion(self, model, decision, completion, batch_per_replica=0.0):
+        self.records.append((decision.detail["load_bucket"], decision.decided_by))
+        return True
+
+
+def test_stats_are_recorded_in_the_bucket_of_the_load_at_admission():
+    # The local pools share one hardware group: a request admitted while 3 others run on either
+    # pool met a batch of 4 (bucket 4-7), whichever pool and whoever decided; one alone met batch 1.
+    router, _ = make_router(lambda: FakeCall([FINAL]))
+    router.tuning = RecordingTuning()
+    assert post(router, BODY).status_code == 200
+    auto = {**BODY, "specserve": {}}
+    assert post(router, auto).status_code == 200
+    router.inflight.update({"ngram": 1, "draft": 2})
+    assert post(router, BODY).status_code == 200
+    assert post(router, auto).status_code == 200
+    assert router.tuning.records == [("1", "request"), ("1", "policy"), ("4-7", "request"), ("4-7", "policy")]

@@ -73,6 +73,24 @@ def pool_views(config: ClusterConfig) -> list[PoolView]:
     ]
 
 
+def pool_load(
+    own_inflight: dict[str, float], reports: dict[str, dict[str, tuple[float, float]]], now_s: float,
+    max_age_s: float = 2.0,
+) -> dict[str, float]:
+    """Requests in flight per pool: this router's own count, or, when larger, the sum of the engine
+    replicas' own reports (`reports[pool][replica] = (monotonic time, unfinished requests)`, sampled
+    in the background) that are younger than `max_age_s` — which includes other routers' traffic.
+
+    >>> pool_load({"a": 1, "b": 0}, {"a": {"r1": (9.5, 3), "r2": (5.0, 7)}}, now_s=10.0)
+    {'a': 3.0, 'b': 0.0}
+    """
+    out = {}
+    for pool, own in own_inflight.items():
+        fresh = [n for t, n in reports.get(pool, {}).values() if now_s - t <= max_age_s]
+        out[pool] = max(float(own), float(sum(fresh))) if fresh else float(own)
+    return out
+
+
 def with_load(views: list[PoolView], inflight: dict[str, float]) -> list[PoolView]:
     """`views` with their live load: each pool's requests in flight, and its hardware group's total."""
     groups: dict[str, float] = {}

@@ -18,13 +18,16 @@ from cluster.api import ApiError, ErrorCode, GenerateRequest, from_openai
 from cluster.auth import AUTH_ERROR_MESSAGE, ApiKeyStore, bearer_from_grpc, bearer_from_http
 from cluster.config import ClusterConfig
 from cluster.policy import load_bucket
-from cluster.routing import Decision, PoolView, pool_views, resolve_model, route, with_load
+from cluster.routing import Decision, PoolView, pool_load, pool_views, resolve_model, route, with_load
 from cluster.wire import Completion, openai_chunk, openai_error_event, openai_response
 from deployments.engine import EngineChunk, EngineRequest
 
 log = logging.getLogger("specserve.router")
 
 RETRY_AFTER_S = 1.0
+LOAD_POLL_INTERVAL_S = 0.25  # how often each pool's engine load is sampled
+LOAD_POLL_TIMEOUT_S = 1.0
+LOAD_REPORT_MAX_AGE_S = 2.0  # older engine load reports are ignored
 
 
 def _default_classifier(prompt: Optional[str], messages: Optional[list[dict]]) -> str:
@@ -51,6 +54,9 @@ class Router:
         self.auth = auth
         self.metrics = metrics
         self._caps: dict[str, tuple[float, Optional[list[tuple[int, int]]]]] = {}  # pool -> (time, table)
+        # Engine replicas' own load reports, sampled in the background (see _poll_load).
+        self.engine_load: dict[str, dict[str, tuple[float, float]]] = {name: {} for name in config.pools}
+        self._load_poll: Optional[asyncio.Task] = None
         self.health_open = auth is None or config.auth.allow_unauthenticated_health
 
     def _authenticate(self, header_value: Optional[str]) -> None:
@@ -67,7 +73,28 @@ class Router:
     # -- the decision ----------------------------------------------------------------------------
 
     def _live_pools(self, model: str) -> list[PoolView]:
-        return [v for v in with_load(list(self.views.values()), self.inflight) if v.model == model]
+        load = pool_load(self.inflight, self.engine_load, time.monotonic(), LOAD_REPORT_MAX_AGE_S)
+        return [v for v in with_load(list(self.views.values()), load) if v.model == model]
+
+    def _ensure_load_poll(self) -> None:
+        if self._load_poll is None or self._load_poll.done():
+            self._load_poll = asyncio.get_running_loop().create_task(self._poll_load())
+
+    async def _poll_load(self) -> None:
+        """Sample every pool's engine load (`EngineServer.load`: unfinished requests of the replica
+        that answers) every LOAD_POLL_INTERVAL_S, off the request path. Ray's handle picks a
+        replica per call, so over successive polls each replica of a pool reports; reports older
+        than LOAD_REPORT_MAX_AGE_S are dropped (a replica that went away stops counting)."""
+        while True:
+            for name, handle in self.engines.items():
+                try:
+                    rep = await asyncio.wait_for(handle.load.remote(), timeout=LOAD_POLL_TIMEOUT_S)
+                    self.engine_load[name][str(rep["replica"])] = (time.monotonic(), float(rep["unfinished"]))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a busy or dying replica: keep the router's own count
+                    log.debug("load poll of pool %s failed: %s", name, e)
+            await asyncio.sleep(LOAD_POLL_INTERVAL_S)
 
     def decide(self, req: GenerateRequest) -> tuple[str, Decision]:
         """Validated request -> (model, Decision). Pure apart from reading the live counters."""
@@ -128,6 +155,7 @@ class Router:
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[tuple[EngineChunk, Completion]]:
         """Yield (chunk, running completion) pairs; the last pair has the final stats."""
         t0 = time.perf_counter()
+        self._ensure_load_poll()
         model, d, ereq = self.plan(req)
         rid = ereq.request_id
         comp = Completion(request_id=rid, model=model)

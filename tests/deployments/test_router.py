@@ -206,3 +206,34 @@ def test_stats_are_recorded_in_the_bucket_of_the_load_at_admission():
     assert post(router, BODY).status_code == 200
     assert post(router, auto).status_code == 200
     assert router.tuning.records == [("1", "request"), ("1", "policy"), ("4-7", "request"), ("4-7", "policy")]
+
+
+def test_engine_load_reports_raise_the_load_the_policy_sees():
+    """Other routers' traffic is visible through the engines' own load reports (sampled in the
+    background); stale reports stop counting."""
+    from deployments import router as router_mod
+
+    class LoadCall:
+        def __init__(self, n):
+            self.n = n
+
+        async def remote(self):
+            return {"replica": "r1", "unfinished": self.n}
+
+    router, handles = make_router(lambda: FakeCall([FINAL]))
+    handles["ngram"].load = LoadCall(12)
+    handles["draft"].load = LoadCall(0)
+
+    async def go():
+        router._ensure_load_poll()
+        await asyncio.sleep(0.05)
+        live = {v.name: v for v in router._live_pools("smollm2-135m")}
+        router._load_poll.cancel()
+        return live
+
+    live = asyncio.run(go())
+    assert live["ngram"].running == 12.0 and live["draft"].running == 0.0
+    assert live["draft"].load_batch == 12.0  # same hardware group
+    old = router_mod.time.monotonic() - 2 * router_mod.LOAD_REPORT_MAX_AGE_S
+    router.engine_load["ngram"]["r1"] = (old, 12.0)
+    assert {v.name: v.running for v in router._live_pools("smollm2-135m")} == {"ngram": 0.0, "draft": 0.0}

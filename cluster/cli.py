@@ -175,8 +175,10 @@ def cmd_status(args) -> int:
     import httpx
 
     out: dict = {"url": args.url}
+    records, rows, cfg = {}, [], None
     if args.config:
         out["redis"] = _redis_reachability(args.config)
+        cfg, records, rows = _autoscale_and_tuning(args.config)
     try:
         r = httpx.get(f"{args.url}/v1/specserve/status", timeout=5)
         out["router"] = r.json()
@@ -199,8 +201,63 @@ def cmd_status(args) -> int:
         }
     except Exception as e:  # noqa: BLE001 - status is best effort; report what failed
         out["ray"] = f"not reachable: {type(e).__name__}: {e}"
+    records = records or (out.get("router") or {}).get("autoscale") or {}
+    out["pools"] = pool_status(cfg, out.get("router") or {}, records, rows, time.time())
     print(json.dumps(out, indent=2))
     return 0 if out.get("healthy") else 1
+
+
+def pool_status(cfg, router: dict, records: dict, tuning_rows: list[dict], now_unix_s: float) -> dict:
+    """Per pool: replicas (running / target), load, chosen K distribution and the autoscaler's last
+    decision and why, from the router's status, the autoscaler's records and the tuning rows."""
+    names = list(cfg.pools) if cfg is not None else list((router.get("pools") or {}))
+    out = {}
+    for name in names:
+        rp = (router.get("pools") or {}).get(name, {})
+        rec = records.get(name) or {}
+        mode = cfg.pools[name].method.value if cfg is not None else rp.get("method")
+        ks: dict[str, int] = {}
+        for row in tuning_rows:  # the incumbent K per (class, load bucket), weighted by requests
+            if row.get("mode") == mode and row.get("chosen_k_set"):
+                ks[str(row["chosen_k"])] = ks.get(str(row["chosen_k"]), 0) + int(row.get("samples", 0))
+        entry = {"replicas": {"running": rec.get("running"), "target": rec.get("target")},
+                 "load": {"router_inflight": rp.get("inflight"), "autoscaler_load": rec.get("load"),
+                          "engine_unfinished": (rp.get("engine") or {}).get("unfinished")},
+                 "chosen_k": {"incumbent_by_requests": ks, "live_mean_k": rec.get("mean_k")}}
+        if rec:
+            entry["autoscaler"] = {
+                "decision": rec.get("action"), "reason": rec.get("reason"),
+                "age_s": round(now_unix_s - float(rec.get("time_unix_s", now_unix_s)), 1),
+                "carry": rec.get("carry"), "carry_source": rec.get("carry_source"),
+                "tpot_p99_s": rec.get("tpot_p99_s"), "ttft_p99_s": rec.get("ttft_p99_s"),
+                "goodput_tokens_per_s": rec.get("goodput_tokens_per_s"), "last_change": rec.get("last_change")}
+        out[name] = entry
+    return out
+
+
+def _autoscale_and_tuning(config_path: str):
+    """(config, autoscaler records by pool, tuning rows) read from the config's Redis (empty if down)."""
+    import redis
+
+    from cluster.autoscale_ray import AutoscaleRecords
+    from cluster.config import load_config
+    from cluster.tuning import TuningStore
+
+    cfg = load_config(config_path)
+    records, rows = {}, []
+    reader = AutoscaleRecords(cfg.redis.model_dump(mode="json"), list(cfg.pools), start=False)
+    try:
+        records = reader.fetch()
+    except (redis.RedisError, OSError):
+        pass
+    finally:
+        reader.close()
+    store = TuningStore(cfg.redis, models=tuple(cfg.served_models()), start=False)
+    try:
+        rows = [row for m in cfg.served_models() for row in store.table(m)]
+    finally:
+        store.close(flush=False)
+    return cfg, records, rows
 
 
 def _redis_reachability(config_path: str) -> dict:
@@ -209,7 +266,11 @@ def _redis_reachability(config_path: str) -> dict:
     from cluster.config import load_config
 
     cfg = load_config(config_path)
-    client = redis.Redis.from_url(cfg.redis.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    from cluster.tls import redis_client_kwargs
+
+    r = cfg.redis
+    client = redis.Redis.from_url(r.url, socket_timeout=0.5, socket_connect_timeout=0.5,
+                                  **redis_client_kwargs(r.url, r.password_env, r.ca_file, r.certfile, r.keyfile))
     try:
         t0 = time.perf_counter()
         client.ping()
@@ -302,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="send as a raw prompt, without the chat template")
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("status", help="pools, replicas, Redis reachability")
+    s = sub.add_parser("status", help="pools (replicas, load, chosen K, the autoscaler's last decision), Redis")
     s.add_argument("--url", default=DEFAULT_URL)
     s.add_argument("--config", default=None, help="also ping this config's Redis directly")
     s.set_defaults(func=cmd_status)

@@ -43,13 +43,37 @@ class ModelConfig(_Strict):
 
 
 class AutoscalingConfig(_Strict):
+    """Replicas of a pool between min and max. With `policy: goodput` (the default) the decision is
+    specserve's (`cluster.autoscale`): SLOs and what a replica carries without speculation, from the
+    router's tuning state; with `policy: queue_length` it is Ray Serve's default policy."""
+
     min_replicas: int = Field(1, ge=0, description="Lower bound on engine replicas.")
     max_replicas: int = Field(1, ge=1, description="Upper bound on engine replicas.")
     target_ongoing_requests: float = Field(
-        8.0, gt=0, description="Ray Serve scales to keep this many requests in flight per replica."
+        8.0, gt=0,
+        description=("Requests in flight one replica carries. queue_length: Ray Serve's target. goodput: what a "
+                     "replica carries without speculation until the tuning state has measured it (slo_tpot_s)."),
     )
     upscale_delay_s: float = Field(30.0, ge=0, description="Sustained load needed before scaling up.")
     downscale_delay_s: float = Field(300.0, ge=0, description="Sustained idleness before scaling down.")
+    policy: Literal["goodput", "queue_length"] = Field(
+        "goodput",
+        description=("goodput: specserve's policy (SLOs, speculative goodput, capacity without speculation; its last "
+                     "decision and reason in Redis for the router and `specserve status`). queue_length: Ray's default."),
+    )
+    slo_tpot_s: Optional[float] = Field(
+        None, gt=0, description="goodput: p99 time per output token objective; a replica above it scales the pool up.")
+    slo_ttft_s: Optional[float] = Field(
+        None, gt=0, description="goodput: p99 time-to-first-token objective (at the engine); above it scales up.")
+    downscale_headroom: float = Field(
+        0.6, gt=0, le=1,
+        description="goodput: scale down only when the load fits in fewer replicas at this fraction of what each carries.")
+    metrics_window_s: float = Field(
+        30.0, gt=0, description="goodput: window of the engines' latency percentiles and token rates.")
+    look_back_period_s: float = Field(
+        10.0, gt=0, description="Ray Serve averages the replicas' reported metrics over this period.")
+    min_samples: int = Field(
+        4, ge=1, description="goodput: requests a replica must finish in the window before its percentiles count.")
 
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscalingConfig":

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from cluster.config import ClusterConfig, PoolConfig
+from cluster.config import ClusterConfig, RedisConfig, PoolConfig
 
 # Registered through cluster.grpc_ingress so that undecodable bodies become INVALID_ARGUMENT.
 GRPC_SERVICER_FUNCTIONS = [
@@ -40,8 +40,9 @@ def cpu_engine_env() -> dict[str, str]:
     return env
 
 
-def engine_deployment_options(name: str, pool: PoolConfig, platform_env: Optional[dict[str, str]] = None) -> dict[str, Any]:
-    """`serve.deployment(...).options(**this)` for pool `name`."""
+def engine_deployment_options(name: str, pool: PoolConfig, platform_env: Optional[dict[str, str]] = None,
+                              redis: Optional[RedisConfig] = None) -> dict[str, Any]:
+    """`serve.deployment(...).options(**this)` for pool `name` (`redis`: see goodput_policy_options)."""
     first = pool.bundles[0]
     env = {**(platform_env or {}), **pool.env}
     opts: dict[str, Any] = dict(
@@ -72,10 +73,34 @@ def engine_deployment_options(name: str, pool: PoolConfig, platform_env: Optiona
             "target_ongoing_requests": a.target_ongoing_requests,
             "upscale_delay_s": a.upscale_delay_s,
             "downscale_delay_s": a.downscale_delay_s,
+            "look_back_period_s": a.look_back_period_s,
         }
+        if a.policy == "goodput":
+            opts["autoscaling_config"].update(goodput_policy_options(name, pool, redis))
     else:
         opts["num_replicas"] = pool.replicas
     return opts
+
+
+# Ray Serve's import path of specserve's autoscaling policy (a class; Ray instantiates it once
+# per deployment in the Serve controller with the JSON-able kwargs below).
+GOODPUT_POLICY_PATH = "cluster.autoscale_ray:GoodputPolicy"
+
+
+def goodput_policy_options(name: str, pool: PoolConfig, redis: Optional[RedisConfig] = None) -> dict[str, Any]:
+    """Ray `autoscaling_config` entries that make specserve's policy decide pool `name`. The delays
+    are applied by the policy itself (so its reason can say 'pending'); Ray's own are set to 0.
+    `redis`: where the policy reads the tuning state and publishes its decisions (None: nowhere)."""
+    return {
+        "upscale_delay_s": 0.0,
+        "downscale_delay_s": 0.0,
+        "policy": {
+            "policy_function": GOODPUT_POLICY_PATH,
+            "policy_kwargs": {"pool": name, "model": pool.model, "max_carry": float(pool.max_ongoing_requests),
+                              "autoscaling": pool.autoscaling.model_dump(mode="json"),
+                              "redis": redis.model_dump(mode="json") if redis is not None else None},
+        },
+    }
 
 
 def router_deployment_options(config: ClusterConfig) -> dict[str, Any]:

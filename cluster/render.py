@@ -214,7 +214,7 @@ def serve_config(raw: dict[str, Any], cfg: ClusterConfig, settings: RenderSettin
     """
     deployments = [_serve_options(router_deployment_options(cfg))]
     for name, pool in cfg.pools.items():
-        d = _serve_options(engine_deployment_options(name, pool, {}))
+        d = _serve_options(engine_deployment_options(name, pool, {}, redis=cfg.redis))
         d["graceful_shutdown_timeout_s"] = settings.graceful_shutdown_timeout_s
         deployments.append(d)
     out: Obj = {

@@ -47,7 +47,15 @@ class RouterReplica(Router):
 
         metrics = RouterMetrics()
         super().__init__(config, engines, tuning=_make_tuning(config, on_malformed=metrics.tuning_key_ignored),
-                         classifier=_make_classifier(), auth=auth, metrics=metrics)
+                         classifier=_make_classifier(), auth=auth, metrics=metrics, autoscale=_make_autoscale(config))
+
+
+def _make_autoscale(config: ClusterConfig):
+    """Reader of the goodput autoscaler's records, for the pools it decides (None if none does)."""
+    from cluster.autoscale_ray import AutoscaleRecords
+
+    pools = [n for n, p in config.pools.items() if p.autoscaling is not None and p.autoscaling.policy == "goodput"]
+    return AutoscaleRecords(config.redis.model_dump(mode="json"), pools) if pools else None
 
 
 def _make_tuning(config: ClusterConfig, **kwargs):
@@ -80,6 +88,6 @@ def build_app_for(config: ClusterConfig, platform_env: Optional[dict[str, str]] 
     engines = {}
     for name, pool in config.pools.items():
         engines[name] = serve.deployment(EngineReplica).options(
-            **engine_deployment_options(name, pool, env)
+            **engine_deployment_options(name, pool, env, redis=config.redis)
         ).bind(name, pool, config)
     return serve.deployment(RouterReplica).options(**router_deployment_options(config)).bind(config, engines)

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
+from cluster.autoscale import LatencyWindow
 from cluster.config import PoolConfig
 from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, SpecMode, SpecStats
 from cluster.vllm_scheduler import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS_PATH
@@ -142,6 +143,8 @@ class EngineServer:
         self.engine = engine
         self._tokenizer = None
         self._last_probe_ok = float("-inf")
+        # Finished requests over the autoscaler's window (latency percentiles, token rates).
+        self._finished = LatencyWindow(pool.autoscaling.metrics_window_s if pool.autoscaling else 30.0)
 
     def _start_engine(self, kwargs: dict[str, Any]):
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -186,9 +189,12 @@ class EngineServer:
         prompt = self._prompt(req)
         params = self._sampling_params(req)
         completion_tokens = 0
+        t_start, t_first = time.monotonic(), None
         async for out in self._engine_outputs(prompt, params, req.request_id):
             c = out.outputs[0]
             completion_tokens += len(c.token_ids)
+            if t_first is None and c.token_ids:
+                t_first = time.monotonic()
             chunk = EngineChunk(text=c.text, token_ids=list(c.token_ids), replica=self.replica)
             if req.logprobs is not None and c.logprobs:
                 chunk.logprobs = [{tid: lp.logprob for tid, lp in pos.items()} for pos in c.logprobs]
@@ -198,6 +204,11 @@ class EngineServer:
                 chunk.completion_tokens = completion_tokens
                 metrics = getattr(c, "spec_decode_metrics", None)
                 chunk.stats = stats_from_output(req.mode, req.k, completion_tokens, metrics).to_dict()
+                if not req.request_id.startswith("health-"):
+                    now = time.monotonic()
+                    first = t_first if t_first is not None else now
+                    self._finished.add(now, first - t_start, now - first, completion_tokens,
+                                       int(chunk.stats.get("accepted", 0)), req.k)
             yield chunk
 
     async def _engine_outputs(self, prompt: str, params: Any, request_id: str):
@@ -218,6 +229,13 @@ class EngineServer:
             "unfinished": self.engine.get_num_unfinished_requests(),
             "max_k": self.pool.max_k,
         }
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's custom autoscaling metrics of this replica (`cluster.autoscale.ReplicaMetrics`):
+        requests in the engine, and over the window: finished requests, tokens and accepted tokens per
+        second, p99 TPOT and TTFT (-1 when none finished), mean K. Ray averages them per replica."""
+        return {"unfinished": float(self.engine.get_num_unfinished_requests()),
+                **self._finished.summary(time.monotonic())}
 
     async def check_health(self) -> None:
         """Ray Serve's health check: the engine's own check every time, and a real 1-token

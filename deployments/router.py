@@ -43,6 +43,7 @@ class Router:
         classifier: Optional[Callable[..., str]] = None,
         auth: Optional[ApiKeyStore] = None,  # None: no API key required
         metrics: Any = None,  # cluster.metrics.RouterMetrics (optional)
+        autoscale: Any = None,  # cluster.autoscale_ray.AutoscaleRecords: the autoscaler's decisions (optional)
     ):
         self.config = config
         self.engines = engines
@@ -53,6 +54,7 @@ class Router:
         self.served = config.served_models()
         self.auth = auth
         self.metrics = metrics
+        self.autoscale = autoscale
         self._caps: dict[str, tuple[float, Optional[list[tuple[int, int]]]]] = {}  # pool -> (time, table)
         # Engine replicas' own load reports, sampled in the background (see _poll_load).
         self.engine_load: dict[str, dict[str, tuple[float, float]]] = {name: {} for name in config.pools}
@@ -74,7 +76,12 @@ class Router:
 
     def _live_pools(self, model: str) -> list[PoolView]:
         load = pool_load(self.inflight, self.engine_load, time.monotonic(), LOAD_REPORT_MAX_AGE_S)
-        return [v for v in with_load(list(self.views.values()), load) if v.model == model]
+        views = list(self.views.values())
+        if self.autoscale is not None:  # the replicas the autoscaler decided, a starting scale-up included
+            from cluster.autoscale import with_capacity
+
+            views = with_capacity(views, self.autoscale.records(), time.time())
+        return [v for v in with_load(views, load) if v.model == model]
 
     def _ensure_load_poll(self) -> None:
         if self._load_poll is None or self._load_poll.done():
@@ -435,6 +442,7 @@ class Router:
             "models": self.served,
             "pools": pools,
             "redis_ok": bool(self.tuning is not None and getattr(self.tuning, "healthy", False)),
+            **({"autoscale": self.autoscale.records()} if self.autoscale is not None else {}),
         }
 
 

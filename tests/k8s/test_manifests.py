@@ -131,7 +131,7 @@ def test_serve_config_loads_with_ray_and_our_models(built, overlay):
     assert deps["router"]["num_replicas"] == cfg.router.replicas
     for name, pool in cfg.pools.items():
         d = deps[f"engine-{name}"]
-        builder = engine_deployment_options(name, pool, {})
+        builder = engine_deployment_options(name, pool, {}, redis=cfg.redis)
         assert "ray_actor_options" not in d  # its runtime_env is computed in the cluster
         assert {k: v for k, v in d.items() if k != "graceful_shutdown_timeout_s"} == \
             {k: v for k, v in builder.items() if k not in ("ray_actor_options", "graceful_shutdown_timeout_s")}

@@ -1,0 +1,182 @@
+"""Ray Serve and Redis around `cluster.autoscale`: the custom autoscaling policy that runs in the
+Serve controller, and the Redis record of its decisions that the router and `specserve status` read.
+
+Contract: `GoodputPolicy(ctx) -> (replicas, policy_state)` is Ray Serve 2.60's class-callable policy
+(`AutoscalingConfig.policy`, instantiated once per deployment with JSON-able kwargs); it turns Ray's
+`AutoscalingContext` into a `PoolSnapshot`, asks `cluster.autoscale.decide`, and hands the verdict to
+a publisher thread. Nothing here blocks the controller's loop on Redis: the tuning state is read by
+a `TuningStore` thread and records are written by a thread of their own, with short timeouts and no
+retries; with Redis down the policy decides on the config's carry and publishes nothing (fail open).
+
+Redis key (one per pool, JSON, TTL `RECORD_TTL_S`): `{key_prefix}:autoscale:{pool}` holding
+`Verdict.record(...)` plus `last_change` (the last up/down and its reason) and `snapshot` (the
+input of the decision, so runs can be replayed as test fixtures).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import weakref
+from typing import Any, Mapping, Optional
+
+log = logging.getLogger("specserve.autoscale")
+
+RECORD_TTL_S = 60
+CUSTOM_METRICS = ("unfinished", "finished", "tokens_per_s", "accepted_per_s", "tpot_p99_s", "ttft_p99_s", "mean_k")
+
+
+def record_key(prefix: str, pool: str) -> str:
+    return f"{prefix}:autoscale:{pool}"
+
+
+def _redis_client(redis_cfg: Mapping[str, Any], timeout_s: float):
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from cluster.tls import redis_client_kwargs
+
+    return redis.Redis.from_url(
+        redis_cfg["url"], socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False,
+        retry=Retry(NoBackoff(), 0), health_check_interval=0,
+        **redis_client_kwargs(redis_cfg["url"], redis_cfg.get("password_env"), redis_cfg.get("ca_file"),
+                              redis_cfg.get("certfile"), redis_cfg.get("keyfile")))
+
+
+def snapshot_from_context(ctx: Any, plain_step_s: tuple = ()) -> "Any":
+    """Ray's AutoscalingContext -> PoolSnapshot (per-replica custom metrics as averaged by Ray)."""
+    from cluster.autoscale import PoolSnapshot, ReplicaMetrics
+
+    agg = ctx.aggregated_metrics or {}
+    ids = {rid for m in CUSTOM_METRICS for rid in agg.get(m, {})}
+    replicas = []
+    for rid in sorted(ids, key=str):
+        vals = {m: float(agg[m][rid]) for m in CUSTOM_METRICS if rid in agg.get(m, {})}
+        name = getattr(rid, "unique_id", None) or str(rid)
+        replicas.append(ReplicaMetrics(replica=str(name), **vals))
+    return PoolSnapshot(now_s=float(ctx.current_time or time.time()), running_replicas=int(ctx.current_num_replicas),
+                        target_replicas=int(ctx.target_num_replicas), load=float(ctx.total_num_requests),
+                        replicas=tuple(replicas), plain_step_s=tuple(plain_step_s))
+
+
+class _Publisher:
+    """Writes the latest record of a pool to Redis about once a second, from its own thread."""
+
+    def __init__(self, redis_cfg: Mapping[str, Any], key: str, interval_s: float = 1.0):
+        self.key = key
+        self.interval_s = interval_s
+        self._client = _redis_client(redis_cfg, timeout_s=max(float(redis_cfg.get("socket_timeout_s", 0.05)), 0.25))
+        self._latest: Optional[dict] = None
+        self._lock = threading.Lock()
+        self.stop = threading.Event()
+        self.failures = 0
+        threading.Thread(target=self._run, name="specserve-autoscale-publish", daemon=True).start()
+
+    def offer(self, record: dict) -> None:
+        with self._lock:
+            self._latest = record
+
+    def _run(self) -> None:
+        import redis
+
+        last_warn = 0.0
+        while not self.stop.wait(self.interval_s):
+            with self._lock:
+                record, self._latest = self._latest, None
+            if record is None:
+                continue
+            try:
+                self._client.set(self.key, json.dumps(record), ex=RECORD_TTL_S)
+            except (redis.RedisError, OSError) as e:
+                self.failures += 1
+                if time.monotonic() - last_warn > 60:
+                    last_warn = time.monotonic()
+                    log.warning("autoscale record %s not published (%d failures): %s", self.key, self.failures, e)
+
+
+class GoodputPolicy:
+    """Ray Serve custom autoscaling policy of one engine pool (see module doc)."""
+
+    def __init__(self, pool: str, model: str, autoscaling: dict, redis: Optional[dict] = None,
+                 max_carry: float = 64.0):
+        from cluster.config import AutoscalingConfig, RedisConfig
+
+        self.pool, self.model, self.max_carry = pool, model, max_carry
+        self.cfg = AutoscalingConfig.model_validate(autoscaling)
+        self.tuning = self.publisher = None
+        self.last_change: Optional[dict] = None
+        if redis is not None:
+            from cluster.tuning import TuningStore
+
+            rc = RedisConfig.model_validate(redis)
+            self.tuning = TuningStore(rc, models=(model,), refresh_interval_s=5.0, flush_interval_s=60.0)
+            self.publisher = _Publisher(redis, record_key(rc.key_prefix, pool))
+            weakref.finalize(self, self.publisher.stop.set)
+            weakref.finalize(self, self.tuning.close, False)
+        log.info("pool %s: goodput autoscaling policy, %s", pool, self.cfg.model_dump())
+
+    def __call__(self, ctx: Any) -> tuple[int, dict]:
+        from cluster.autoscale import PolicyState, decide, plain_step_points
+
+        plain = plain_step_points(self.tuning.snapshot(self.model)) if self.tuning is not None else ()
+        snap = snapshot_from_context(ctx, plain)
+        state = PolicyState.from_dict(ctx.policy_state or {})
+        verdict, new_state = decide(snap, self.cfg, state, max_carry=self.max_carry)
+        if verdict.action in ("up", "down"):
+            self.last_change = {"action": verdict.action, "reason": verdict.reason, "time_unix_s": snap.now_s,
+                                "from": snap.target_replicas, "to": verdict.replicas}
+            log.info("pool %s: %s", self.pool, verdict.reason)
+        if self.publisher is not None:
+            self.publisher.offer({**verdict.record(self.pool, snap), "last_change": self.last_change,
+                                  "snapshot": snap.to_dict(), "state_in": state.to_dict()})
+        return verdict.replicas, {**(ctx.policy_state or {}), **new_state.to_dict()}
+
+
+class AutoscaleRecords:
+    """The router's (and status's) reader of the autoscaler's records: one MGET per second from a
+    thread; `records()` never touches Redis. Unreachable Redis: the last records age out and the
+    router falls back to its static view (`cluster.autoscale.effective_replicas`)."""
+
+    def __init__(self, redis_cfg: Mapping[str, Any], pools: list[str], interval_s: float = 1.0, start: bool = True):
+        self.pools = list(pools)
+        self.keys = [record_key(redis_cfg.get("key_prefix", "specserve:v1"), p) for p in self.pools]
+        self.interval_s = interval_s
+        self._client = _redis_client(redis_cfg, timeout_s=max(float(redis_cfg.get("socket_timeout_s", 0.05)), 0.25))
+        self._records: dict[str, dict] = {}
+        self.stop = threading.Event()
+        if start and self.pools:
+            threading.Thread(target=self._run, name="specserve-autoscale-read", daemon=True).start()
+
+    def records(self) -> dict[str, dict]:
+        return self._records
+
+    def fetch(self) -> dict[str, dict]:
+        """Read every pool's record now (raises redis errors)."""
+        out = {}
+        for pool, raw in zip(self.pools, self._client.mget(self.keys)):
+            if raw is None:
+                continue
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                out[pool] = rec
+        return out
+
+    def _run(self) -> None:
+        import redis
+
+        while not self.stop.is_set():
+            try:
+                self._records = self.fetch()
+            except (redis.RedisError, OSError):
+                pass  # keep the last records; they age out in effective_replicas
+            self.stop.wait(self.interval_s)
+
+    def close(self) -> None:
+        self.stop.set()
+        self._client.close()

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cluster.speculation import WORKLOAD_CLASSES, SpecMode
 
 # Methods that run on vLLM's CPU build here; the rest are passed through to vLLM on GPUs.
-CPU_METHODS = {SpecMode.NONE, SpecMode.NGRAM, SpecMode.DRAFT_MODEL, SpecMode.EAGLE}
+CPU_METHODS = {SpecMode.NONE, SpecMode.NGRAM, SpecMode.DRAFT_MODEL, SpecMode.EAGLE, SpecMode.REMOTE_DRAFT}
 # Methods whose proposer is a separate set of weights named by `drafter`.
 DRAFTER_METHODS = {SpecMode.DRAFT_MODEL, SpecMode.EAGLE, SpecMode.EAGLE3}
 
@@ -82,6 +82,34 @@ class AutoscalingConfig(_Strict):
         return self
 
 
+class DrafterDeploymentConfig(_Strict):
+    """A drafter deployment (`deployments/drafter.py`): a draft model in its own replicas, placed
+    apart from the targets, that pools with `method: remote_draft` call once per step."""
+
+    model: str = Field(description="Draft model (a key of `models`); it must share the targets' tokenizer.")
+    replicas: int = Field(1, ge=1, description="Drafter replicas (each target engine keeps to one of them).")
+    resources: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 1},
+        description=(
+            "Ray resources of one replica: CPU, GPU, and custom resources that only the drafters' worker "
+            "group advertises (e.g. {GPU: 1, drafter_node: 1}) so that drafters land on their own nodes."
+        ),
+    )
+    max_sequences: int = Field(256, ge=1, description="Sequences whose draft state one replica keeps (LRU beyond).")
+    idle_ttl_s: float = Field(120.0, gt=0, description="A sequence idle this long is forgotten (its target died).")
+    max_context: int = Field(8192, ge=16, description="Sequences longer than this get no drafts.")
+    port: int = Field(0, ge=0, le=65535, description="TCP port of the per-step draft endpoint (0: any free port).")
+    env: dict[str, str] = Field(default_factory=dict, description="Environment of the replica's process.")
+
+    @field_validator("resources")
+    @classmethod
+    def _resources(cls, v: dict[str, float]) -> dict[str, float]:
+        for res, amount in v.items():
+            if amount < 0:
+                raise ValueError(f"resource {res!r} must be >= 0, got {amount}")
+        return v
+
+
 class PoolConfig(_Strict):
     """A set of identical engine replicas: one target model, one speculative method, K up to max_k."""
 
@@ -89,6 +117,19 @@ class PoolConfig(_Strict):
     method: SpecMode = Field(SpecMode.NONE, description="Speculative method of this pool's engines.")
     drafter: Optional[str] = Field(
         None, description="Drafter model (a key of `models`) for draft_model / eagle / eagle3."
+    )
+    remote_drafter: Optional[str] = Field(
+        None, description="method remote_draft: the drafter deployment (a key of `drafters`) its engines call."
+    )
+    remote_timeout_s: float = Field(
+        0.25, gt=0, le=10,
+        description=(
+            "method remote_draft: a step waits at most this for its drafts, then runs without them "
+            "(set it above the drafter's p99 call time, or drafts are wasted)."
+        ),
+    )
+    remote_reprobe_s: float = Field(
+        2.0, gt=0, description="method remote_draft: while the drafter is failing, try it again this often."
     )
     max_k: int = Field(0, ge=0, le=16, description="Largest K a request may ask of this pool (0 for method none).")
     ngram_min: int = Field(2, ge=1, description="n-gram method: shortest prompt match.")
@@ -174,6 +215,8 @@ class PoolConfig(_Strict):
             raise ValueError(f"method {self.method.value!r} needs `drafter`")
         if self.method not in DRAFTER_METHODS and self.drafter:
             raise ValueError(f"`drafter` is only used by {sorted(m.value for m in DRAFTER_METHODS)}")
+        if (self.method == SpecMode.REMOTE_DRAFT) != bool(self.remote_drafter):
+            raise ValueError("`remote_drafter` is needed by, and only used by, method 'remote_draft'")
         if self.ngram_max < self.ngram_min:
             raise ValueError("ngram_max must be >= ngram_min")
         return self
@@ -190,7 +233,8 @@ class RouterConfig(_Strict):
         description="Mode when a request names none: 'auto' (the router's policy) or a mode name.",
     )
     default_k: dict[str, int] = Field(
-        default_factory=lambda: {"ngram": 3, "draft_model": 3, "eagle": 3, "eagle3": 3, "mtp": 1, "suffix": 4},
+        default_factory=lambda: {"ngram": 3, "draft_model": 3, "eagle": 3, "eagle3": 3, "mtp": 1, "suffix": 4,
+                                 "remote_draft": 3},
         description="Safe default K per mode when the router has no tuning state.",
     )
     replicas: int = Field(1, ge=1, description="Router (ingress) replicas.")
@@ -319,6 +363,9 @@ class ClusterConfig(_Strict):
     name: str = Field("specserve", description="Ray Serve application name.")
     models: dict[str, ModelConfig] = Field(description="Models by served name.")
     pools: dict[str, PoolConfig] = Field(description="Engine pools by name.")
+    drafters: dict[str, DrafterDeploymentConfig] = Field(
+        default_factory=dict, description="Drafter deployments by name, for pools with method remote_draft."
+    )
     router: RouterConfig = Field(default_factory=RouterConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
@@ -334,6 +381,13 @@ class ClusterConfig(_Strict):
                 raise ValueError(f"pools.{name}.model: unknown model {pool.model!r}; known: {sorted(self.models)}")
             if pool.drafter and pool.drafter not in self.models:
                 raise ValueError(f"pools.{name}.drafter: unknown model {pool.drafter!r}; known: {sorted(self.models)}")
+            if pool.remote_drafter and pool.remote_drafter not in self.drafters:
+                raise ValueError(
+                    f"pools.{name}.remote_drafter: unknown drafter {pool.remote_drafter!r}; known: {sorted(self.drafters)}"
+                )
+        for name, d in self.drafters.items():
+            if d.model not in self.models:
+                raise ValueError(f"drafters.{name}.model: unknown model {d.model!r}; known: {sorted(self.models)}")
         for name, model in self.models.items():
             if model.source.startswith("truncate:"):
                 parts = model.source.split(":")

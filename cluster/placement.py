@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from cluster.config import ClusterConfig, RedisConfig, PoolConfig
+from cluster.config import ClusterConfig, RedisConfig, DrafterDeploymentConfig, PoolConfig
 
 # Registered through cluster.grpc_ingress so that undecodable bodies become INVALID_ARGUMENT.
 GRPC_SERVICER_FUNCTIONS = [
@@ -22,6 +22,10 @@ GRPC_SERVICER_FUNCTIONS = [
 
 def engine_deployment_name(pool_name: str) -> str:
     return f"engine-{pool_name}"
+
+
+def drafter_deployment_name(drafter_name: str) -> str:
+    return f"drafter-{drafter_name}"
 
 
 def cpu_engine_env() -> dict[str, str]:
@@ -82,6 +86,29 @@ def engine_deployment_options(name: str, pool: PoolConfig, platform_env: Optiona
     return opts
 
 
+def drafter_deployment_options(name: str, d: DrafterDeploymentConfig,
+                               platform_env: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """`serve.deployment(...).options(**this)` for drafter deployment `name`. Its resources may name a
+    custom resource only the drafters' node group advertises, which keeps drafters off target nodes."""
+    res = dict(d.resources)
+    env = {**(platform_env or {}), **d.env}
+    return dict(
+        name=drafter_deployment_name(name),
+        num_replicas=d.replicas,
+        # Serve calls are only endpoint look-ups and stats; per-step drafts go over the replica's TCP port.
+        max_ongoing_requests=64,
+        ray_actor_options={
+            "num_cpus": float(res.pop("CPU", 0)),
+            "num_gpus": float(res.pop("GPU", 0)),
+            **({"resources": res} if res else {}),
+            "runtime_env": {"env_vars": env},
+        },
+        health_check_period_s=10,
+        health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=5,
+    )
+
+
 # Ray Serve's import path of specserve's autoscaling policy (a class; Ray instantiates it once
 # per deployment in the Serve controller with the JSON-able kwargs below).
 GOODPUT_POLICY_PATH = "cluster.autoscale_ray:GoodputPolicy"
@@ -122,4 +149,7 @@ def required_resources(config: ClusterConfig) -> dict[str, float]:
         for b in pool.bundles:
             for res, amount in b.items():
                 total[res] = total.get(res, 0.0) + n * amount
+    for d in config.drafters.values():
+        for res, amount in d.resources.items():
+            total[res] = total.get(res, 0.0) + d.replicas * amount
     return total

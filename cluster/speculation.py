@@ -42,6 +42,8 @@ class SpecMode(str, enum.Enum):
     EAGLE3 = "eagle3"
     MTP = "mtp"
     SUFFIX = "suffix"
+    # A draft model in its own deployment, called once per target step (deployments/drafter.py).
+    REMOTE_DRAFT = "remote_draft"
 
     @classmethod
     def parse(cls, value: str) -> "SpecMode":

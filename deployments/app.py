@@ -1,4 +1,5 @@
-"""The application graph: one engine deployment per pool, and the router ingress bound to them.
+"""The application graph: one engine deployment per pool, one drafter deployment per entry of
+`drafters` (bound to the pools that draft remotely), and the router ingress bound to the engines.
 
 `build_app(args)` is the Ray Serve import path (`deployments.app:build_app`), used alike by
 `specserve up` and by the Serve config rendered for KubeRay. `args` holds the cluster config,
@@ -12,8 +13,11 @@ from typing import Any, Optional
 
 from ray import serve
 
-from cluster.config import ClusterConfig, PoolConfig, load_config, parse_config
-from cluster.placement import cpu_engine_env, engine_deployment_options, router_deployment_options
+from cluster.config import ClusterConfig, DrafterDeploymentConfig, PoolConfig, load_config, parse_config
+from cluster.placement import (
+    cpu_engine_env, drafter_deployment_options, engine_deployment_options, router_deployment_options,
+)
+from deployments.drafter import DrafterServer
 from deployments.engine import EngineServer
 from deployments.router import Router
 
@@ -23,15 +27,33 @@ log = logging.getLogger("specserve.app")
 class EngineReplica(EngineServer):
     """EngineServer that prepares its own model files on the node it lands on (cached per node)."""
 
-    def __init__(self, pool_name: str, pool: PoolConfig, config: ClusterConfig):
+    def __init__(self, pool_name: str, pool: PoolConfig, config: ClusterConfig, drafter: Any = None):
         from cluster.logsafe import install_redaction
         from cluster.models import resolve_model
 
         install_redaction()
         model_path = resolve_model(pool.model, config)
         drafter_path = resolve_model(pool.drafter, config) if pool.drafter else None
+
+        async def drafter_endpoint() -> str:  # `drafter`: the Serve handle of the pool's remote drafter
+            return await drafter.endpoint.remote()
+
         super().__init__(pool_name, pool, model_path, drafter_path, served_name=pool.model,
-                         dtype=config.models[pool.model].dtype)
+                         dtype=config.models[pool.model].dtype,
+                         drafter_endpoint=drafter_endpoint if drafter is not None else None)
+
+
+class DrafterReplica(DrafterServer):
+    """DrafterServer that prepares its draft model on the node it lands on (cached per node)."""
+
+    def __init__(self, name: str, d: DrafterDeploymentConfig, config: ClusterConfig):
+        from cluster.logsafe import install_redaction
+        from cluster.models import resolve_model
+
+        install_redaction()
+        super().__init__(name, resolve_model(d.model, config), dtype=config.models[d.model].dtype,
+                         max_sequences=d.max_sequences, idle_ttl_s=d.idle_ttl_s, max_context=d.max_context,
+                         port=d.port, num_threads=max(int(d.resources.get("CPU", 1)), 1))
 
 
 class RouterReplica(Router):
@@ -85,9 +107,15 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 
 def build_app_for(config: ClusterConfig, platform_env: Optional[dict[str, str]] = None) -> serve.Application:
     env = cpu_engine_env() if platform_env is None else platform_env
+    drafters = {
+        name: serve.deployment(DrafterReplica).options(**drafter_deployment_options(name, d, env)).bind(name, d, config)
+        for name, d in config.drafters.items()
+        if any(p.remote_drafter == name for p in config.pools.values())
+    }
     engines = {}
     for name, pool in config.pools.items():
+        extra = (drafters[pool.remote_drafter],) if pool.remote_drafter else ()
         engines[name] = serve.deployment(EngineReplica).options(
             **engine_deployment_options(name, pool, env, redis=config.redis)
-        ).bind(name, pool, config)
+        ).bind(name, pool, config, *extra)
     return serve.deployment(RouterReplica).options(**router_deployment_options(config)).bind(config, engines)

@@ -354,8 +354,8 @@ class DrafterServer:
     """
 
     def __init__(self, name: str, model_path: str, dtype: str = "float32", max_sequences: int = 256,
-                 idle_ttl_s: float = 120.0, host: Optional[str] = None, port: int = 0, num_threads: int = 0,
-                 model: Optional[DraftModel] = None):
+                 idle_ttl_s: float = 120.0, max_context: int = 8192, host: Optional[str] = None, port: int = 0,
+                 num_threads: int = 0, model: Optional[DraftModel] = None):
         import torch
 
         if num_threads > 0:
@@ -363,7 +363,7 @@ class DrafterServer:
         self.name = name
         t0 = time.monotonic()
         model = model if model is not None else DraftModel.load(model_path, dtype)
-        self.drafter = Drafter(model, max_sequences=max_sequences, idle_ttl_s=idle_ttl_s)
+        self.drafter = Drafter(model, max_sequences=max_sequences, idle_ttl_s=idle_ttl_s, max_context=max_context)
         self.server = DraftServer(self.drafter, host or _node_ip(), port)
         log.info("drafter %s: model %s up in %.1f s, serving drafts on %s", name, model_path,
                  time.monotonic() - t0, self.server.address)

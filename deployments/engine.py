@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from cluster.autoscale import LatencyWindow
 from cluster.config import PoolConfig
@@ -62,6 +62,10 @@ def speculative_config(pool: PoolConfig, drafter_path: Optional[str]) -> Optiona
     """vLLM `speculative_config` for a pool (None for method none)."""
     if pool.method == SpecMode.NONE:
         return None
+    if pool.method == SpecMode.REMOTE_DRAFT:  # vLLM loads our proposer; the drafter is another deployment
+        from cluster.remote_proposer import PROPOSER_CLS_PATH
+
+        return {"method": "custom_class", "model": PROPOSER_CLS_PATH, "num_speculative_tokens": pool.max_k}
     cfg: dict[str, Any] = {"method": pool.method.value, "num_speculative_tokens": pool.max_k}
     if pool.method == SpecMode.NGRAM:
         cfg.update(prompt_lookup_min=pool.ngram_min, prompt_lookup_max=pool.ngram_max)
@@ -88,6 +92,13 @@ def engine_kwargs(
         additional_config={ADDITIONAL_CONFIG_KEY: {}},
         enable_log_requests=False,
     )
+    if pool.method == SpecMode.REMOTE_DRAFT:
+        from cluster.remote_proposer import REMOTE_CONFIG_KEY, WORKER_EXTENSION_PATH
+
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION_PATH  # the replica hands the proposer its drafter
+        kwargs["additional_config"][ADDITIONAL_CONFIG_KEY][REMOTE_CONFIG_KEY] = {
+            "timeout_s": pool.remote_timeout_s, "reprobe_s": pool.remote_reprobe_s,
+        }
     if pool.tensor_parallel_size > 1:
         kwargs["distributed_executor_backend"] = "ray"  # workers go into the replica's placement group
     kwargs.update(pool.engine_kwargs)
@@ -133,6 +144,7 @@ class EngineServer:
         served_name: str,
         dtype: str = "auto",
         engine: Any = None,
+        drafter_endpoint: Optional[Callable[[], Awaitable[str]]] = None,
     ):
         self.pool_name = pool_name
         self.pool = pool
@@ -145,6 +157,9 @@ class EngineServer:
         self._last_probe_ok = float("-inf")
         # Finished requests over the autoscaler's window (latency percentiles, token rates).
         self._finished = LatencyWindow(pool.autoscaling.metrics_window_s if pool.autoscaling else 30.0)
+        # method remote_draft: where the drafter deployment answers (asked through a Serve handle).
+        self._drafter_endpoint = drafter_endpoint
+        self._drafter_watch: Optional[asyncio.Task] = None
 
     def _start_engine(self, kwargs: dict[str, Any]):
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -184,6 +199,7 @@ class EngineServer:
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
         """Stream the completion of `req`. Cancelling the consumer aborts the request in vLLM."""
+        self._ensure_drafter_watch()
         if req.k > self.pool.max_k:
             raise ValueError(f"k={req.k} exceeds pool {self.pool_name!r} max_k={self.pool.max_k}")
         prompt = self._prompt(req)
@@ -223,12 +239,46 @@ class EngineServer:
 
     async def load(self) -> dict[str, Any]:
         """Live load of this replica (cheap, non-blocking)."""
-        return {
+        out = {
             "pool": self.pool_name,
             "replica": self.replica,
             "unfinished": self.engine.get_num_unfinished_requests(),
             "max_k": self.pool.max_k,
         }
+        if self.pool.method == SpecMode.REMOTE_DRAFT:
+            out["remote_drafter"] = await self.drafter_status()
+        return out
+
+    # -- remote drafter (method remote_draft) ----------------------------------------------------
+
+    def _ensure_drafter_watch(self) -> None:
+        if self._drafter_endpoint is not None and (self._drafter_watch is None or self._drafter_watch.done()):
+            self._drafter_watch = asyncio.get_running_loop().create_task(self._watch_drafter())
+
+    async def _watch_drafter(self) -> None:
+        """Keep the proposer in the engine process pointed at a live drafter replica: when it has
+        none, or its breaker is open, ask the drafter deployment (any replica) where it answers.
+        A dead drafter never fails a request here: the engine decodes without drafts meanwhile."""
+        while True:
+            try:
+                status = await self.drafter_status()
+                if status.get("endpoint") is None or status.get("breaker_open"):
+                    endpoint = await asyncio.wait_for(self._drafter_endpoint(), timeout=10.0)
+                    if endpoint != status.get("endpoint"):
+                        await self.engine.collective_rpc("specserve_set_drafter", args=(endpoint,))
+                        log.info("pool %s: drafting remotely on %s (was %s: %s)", self.pool_name, endpoint,
+                                 status.get("endpoint"), status.get("last_error"))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - drafter gone or Serve busy: retry; decoding goes on
+                log.warning("pool %s: no drafter endpoint yet (%s: %s)", self.pool_name, type(e).__name__, e)
+            await asyncio.sleep(self.pool.remote_reprobe_s)
+
+    async def drafter_status(self, reset_samples: bool = False) -> dict[str, Any]:
+        """The remote proposer's counters and call-time quantiles (rtt, transport overhead)."""
+        if self.pool.method != SpecMode.REMOTE_DRAFT:
+            return {}
+        return (await self.engine.collective_rpc("specserve_drafter_status", args=(reset_samples,)))[0]
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve's custom autoscaling metrics of this replica (`cluster.autoscale.ReplicaMetrics`):
@@ -241,6 +291,7 @@ class EngineServer:
         """Ray Serve's health check: the engine's own check every time, and a real 1-token
         generation at most every `health_probe_interval_s`, bounded by `health_probe_timeout_s`,
         so a silently dead or stalled engine fails the check and Ray Serve replaces the replica."""
+        self._ensure_drafter_watch()
         await self.engine.check_health()
         now = time.monotonic()
         if now - self._last_probe_ok < self.pool.health_probe_interval_s:

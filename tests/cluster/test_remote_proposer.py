@@ -127,12 +127,12 @@ def test_a_hung_drafter_costs_one_timeout_then_the_breaker_skips_it_until_a_prob
     for _ in range(2):
         t0 = time.perf_counter()
         assert session.step([SeqWork("a", [1, 2, 3], 2)]) == [[]]
-        assert time.perf_counter() - t0 < 0.5
+        assert time.perf_counter() - t0 < 2.0  # bounded by the timeout (generous on a loaded machine)
     assert session.breaker.is_open and session.failures == 2
     t0 = time.perf_counter()
     for _ in range(50):
         assert session.step([SeqWork("a", [1, 2, 3], 2)]) == [[]]
-    assert time.perf_counter() - t0 < 0.05  # open: no calls, no timeouts
+    assert time.perf_counter() - t0 < 0.5  # open: no calls, no timeouts (50 x 0.05 s would be 2.5 s)
     assert session.skipped_open == 50
     # The drafter comes back elsewhere: a new endpoint is tried at once.
     session.set_endpoint(server.address)

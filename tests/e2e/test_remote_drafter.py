@@ -1,0 +1,123 @@
+"""Disaggregated speculation (issue 9) on a real cluster: a target pool whose vLLM engine drafts
+through a separate drafter deployment. Greedy output is identical to no speculation on dev-set
+prompts; killing the drafter replica mid-run fails no request, and speculation resumes."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import launch_cluster
+from tests.e2e.helpers import chat, dev_prompts
+
+pytestmark = pytest.mark.engine
+
+RESUME_BOUND_S = 120
+
+
+def remote_overrides(raw: dict) -> None:
+    """One target pool drafting remotely with the local `draft` pool's drafter (its model and K)."""
+    draft = raw["pools"]["draft"]
+    remote = copy.deepcopy(draft)
+    remote.pop("drafter")
+    remote.update(method="remote_draft", remote_drafter="l4", remote_timeout_s=1.0, remote_reprobe_s=1.0,
+                  max_ongoing_requests=32, max_queued_requests=64)
+    raw["drafters"] = {"l4": {"model": draft["drafter"], "replicas": 1, "resources": {"CPU": 1}}}
+    raw["pools"] = {"remote": remote}
+
+
+@pytest.fixture(scope="module")
+def remote_cluster(tmp_path_factory):
+    yield from launch_cluster(tmp_path_factory.mktemp("remote"), "specserve-remote-test", remote_overrides)
+
+
+def _stats(resp: dict) -> dict:
+    return resp["specserve"]
+
+
+def test_greedy_output_identical_to_no_speculation(remote_cluster):
+    prompts = dev_prompts(8)
+
+    async def run():
+        async with httpx.AsyncClient() as client:
+            plain = await asyncio.gather(*[
+                chat(client, remote_cluster.http_url, p["text"], max_tokens=48, spec={"mode": "none"}) for p in prompts])
+            remote = await asyncio.gather(*[
+                chat(client, remote_cluster.http_url, p["text"], max_tokens=48, spec={"mode": "remote_draft", "k": 4})
+                for p in prompts])
+            return plain, remote
+
+    plain, remote = asyncio.run(run())
+    for p, a, b in zip(prompts, plain, remote):
+        assert _stats(b)["mode"] == "remote_draft" and _stats(b)["pool"] == "remote"
+        assert _stats(a)["token_ids"] == _stats(b)["token_ids"], f"prompt {p['id']} ({p['category']}) differs"
+    assert sum(_stats(b)["drafted"] for b in remote) > 0, "no draft came back from the drafter"
+    assert sum(_stats(a)["drafted"] for a in plain) == 0
+
+
+def _pids(pattern: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_killing_the_drafter_fails_no_request_and_speculation_resumes(remote_cluster):
+    app = remote_cluster.raw["name"]
+    prompts = [p["text"] for p in dev_prompts(16)]
+    results: list[dict] = []  # (t_done, drafted) per completed request
+    errors: list[str] = []
+    state = {"stop": False, "killed_at": None}
+
+    async def worker(i: int, client: httpx.AsyncClient):
+        n = 0
+        while not state["stop"]:
+            text = prompts[(i * 5 + n) % len(prompts)]
+            n += 1
+            body = {"messages": [{"role": "user", "content": text}], "max_tokens": 24, "temperature": 0.0,
+                    "specserve": {"speculative": {"mode": "remote_draft", "k": 4}}}
+            t0 = time.monotonic()
+            try:
+                r = await client.post(f"{remote_cluster.http_url}/v1/chat/completions", json=body, timeout=300)
+            except httpx.HTTPError as e:
+                errors.append(f"{type(e).__name__}: {e}")
+                continue
+            if r.status_code != 200:
+                errors.append(f"{r.status_code}: {r.text[:300]}")
+                continue
+            results.append({"t0": t0, "t": time.monotonic(), "drafted": r.json()["specserve"]["drafted"]})
+
+    async def run():
+        async with httpx.AsyncClient() as client:
+            tasks = [asyncio.create_task(worker(i, client)) for i in range(4)]
+            await asyncio.sleep(10)  # steady state, drafting
+            before = [r for r in results]
+            assert before and sum(r["drafted"] for r in before) > 0, "no drafts before the kill"
+            pids = _pids(f"ServeReplica:{app}:drafter-l4")
+            assert pids, "drafter replica process not found"
+            state["pids"] = pids
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            state["killed_at"] = time.monotonic()
+            # Requests keep completing while the drafter is gone; then drafts come back.
+            while True:
+                await asyncio.sleep(2)
+                resumed = [r for r in results if r["t0"] > state["killed_at"] + 1 and r["drafted"] > 0]
+                if len(resumed) >= 2:
+                    break
+                assert time.monotonic() - state["killed_at"] < RESUME_BOUND_S, (
+                    f"speculation did not resume within {RESUME_BOUND_S} s; errors {errors[:3]}")
+            state["stop"] = True
+            await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    assert not errors, f"{len(errors)} requests failed: {errors[:5]}"
+    killed = state["killed_at"]
+    during = [r for r in results if r["t0"] > killed and r["drafted"] == 0]
+    assert during, "no request completed without drafts while the drafter was down"
+    assert not set(_pids(f"ServeReplica:{app}:drafter-l4")) & set(state["pids"]), "the old drafter is still there"

@@ -86,6 +86,11 @@ def engine_deployment_options(name: str, pool: PoolConfig, platform_env: Optiona
     return opts
 
 
+def used_drafters(config: ClusterConfig) -> list[str]:
+    """Drafter deployments some pool drafts with (the app builds only these)."""
+    return [n for n in config.drafters if any(p.remote_drafter == n for p in config.pools.values())]
+
+
 def drafter_deployment_options(name: str, d: DrafterDeploymentConfig,
                                platform_env: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """`serve.deployment(...).options(**this)` for drafter deployment `name`. Its resources may name a

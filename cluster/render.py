@@ -26,7 +26,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cluster.config import ClusterConfig, ConfigError, parse_config
-from cluster.placement import GRPC_SERVICER_FUNCTIONS, engine_deployment_options, router_deployment_options
+from cluster.placement import (
+    GRPC_SERVICER_FUNCTIONS, drafter_deployment_options, engine_deployment_options, router_deployment_options,
+    used_drafters,
+)
 
 IMPORT_PATH = "deployments.app:build_app"
 RUN_AS_UID = 1000  # the `specserve` user of k8s/docker/Dockerfile.{cpu,gpu}
@@ -183,10 +186,32 @@ def placement_errors(cfg: ClusterConfig, settings: RenderSettings) -> list[str]:
         most = pool.autoscaling.max_replicas if pool.autoscaling else pool.replicas
         for r, amount in _sum(pool.bundles).items():
             demand[r] = demand.get(r, 0.0) + most * amount
+    errors += _drafter_placement_errors(cfg, nodes, demand)
     for r, amount in sorted(demand.items()):
         supply = sum(res.get(r, 0.0) * n for _, res, n in nodes)
         if amount > supply:
             errors.append(f"capacity: pools may need {amount:g} {r} at max replicas, node groups offer {supply:g}")
+    return errors
+
+
+def _drafter_placement_errors(cfg: ClusterConfig, nodes, demand: dict[str, float]) -> list[str]:
+    """Each drafter replica must fit some pod; a GPU drafter must not fit a pod its targets fit
+    (drafters go on their own worker group: give them a custom resource only that group advertises)."""
+    errors = []
+    for name in used_drafters(cfg):
+        d = cfg.drafters[name]
+        fits = [g for g, res, _ in nodes if _fits(d.resources, res)]
+        if not fits:
+            errors.append(f"drafters.{name}: resources {d.resources} fit no pod of {_shapes(nodes)}")
+        for pname, pool in cfg.pools.items():
+            if pool.remote_drafter != name or not d.resources.get("GPU"):
+                continue
+            shared = [g for g, res, _ in nodes if g in fits and _fits(_sum(pool.bundles), res)]
+            if shared:
+                errors.append(f"drafters.{name}: may land with its targets (pools.{pname}) on {shared}; "
+                              "give it a custom resource only the drafters' worker group advertises")
+        for r, amount in d.resources.items():
+            demand[r] = demand.get(r, 0.0) + d.replicas * amount
     return errors
 
 
@@ -213,6 +238,7 @@ def serve_config(raw: dict[str, Any], cfg: ClusterConfig, settings: RenderSettin
     view and `build_app`'s agree; only the shutdown grace is the overlay's.
     """
     deployments = [_serve_options(router_deployment_options(cfg))]
+    deployments += [_serve_options(drafter_deployment_options(n, cfg.drafters[n], {})) for n in used_drafters(cfg)]
     for name, pool in cfg.pools.items():
         d = _serve_options(engine_deployment_options(name, pool, {}, redis=cfg.redis))
         d["graceful_shutdown_timeout_s"] = settings.graceful_shutdown_timeout_s

@@ -15,7 +15,7 @@ from ray import serve
 
 from cluster.config import ClusterConfig, DrafterDeploymentConfig, PoolConfig, load_config, parse_config
 from cluster.placement import (
-    cpu_engine_env, drafter_deployment_options, engine_deployment_options, router_deployment_options,
+    cpu_engine_env, drafter_deployment_options, engine_deployment_options, router_deployment_options, used_drafters,
 )
 from deployments.drafter import DrafterServer
 from deployments.engine import EngineServer
@@ -108,9 +108,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 def build_app_for(config: ClusterConfig, platform_env: Optional[dict[str, str]] = None) -> serve.Application:
     env = cpu_engine_env() if platform_env is None else platform_env
     drafters = {
-        name: serve.deployment(DrafterReplica).options(**drafter_deployment_options(name, d, env)).bind(name, d, config)
-        for name, d in config.drafters.items()
-        if any(p.remote_drafter == name for p in config.pools.values())
+        name: serve.deployment(DrafterReplica).options(
+            **drafter_deployment_options(name, config.drafters[name], env)
+        ).bind(name, config.drafters[name], config)
+        for name in used_drafters(config)
     }
     engines = {}
     for name, pool in config.pools.items():

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from cluster.config import ConfigError, load_config, parse_config
-from cluster.placement import engine_deployment_options
+from cluster.placement import drafter_deployment_options, engine_deployment_options, used_drafters
 from cluster.render import RUN_AS_UID, effective_config, load_settings, main
 from tests.k8s.k8s_checks import K8S, OVERLAYS, ROOT, read_docs, schema_errors, serve_strict_errors
 
@@ -127,7 +127,10 @@ def test_serve_config_loads_with_ray_and_our_models(built, overlay):
     assert "cluster.grpc_ingress.add_SpecServeServicer_to_server" in serve["grpc_options"]["grpc_servicer_functions"]
     assert "cluster.grpc_ingress.add_HealthServicer_to_server" in serve["grpc_options"]["grpc_servicer_functions"]
     deps = {d["name"]: d for d in app["deployments"]}
-    assert set(deps) == {"router"} | {f"engine-{p}" for p in cfg.pools}
+    assert set(deps) == {"router"} | {f"engine-{p}" for p in cfg.pools} | {f"drafter-{d}" for d in used_drafters(cfg)}
+    for name in used_drafters(cfg):
+        builder = drafter_deployment_options(name, cfg.drafters[name], {})
+        assert deps[f"drafter-{name}"] == {k: v for k, v in builder.items() if k != "ray_actor_options"}
     assert deps["router"]["num_replicas"] == cfg.router.replicas
     for name, pool in cfg.pools.items():
         d = deps[f"engine-{name}"]
@@ -246,6 +249,18 @@ def test_gpu_groups_fit_the_pools(built):
             gpus >= need["GPU"] and all(res.get(r, 0) >= v for r, v in custom.items())
             for gpus, res in advertised.values()
         ), f"pool {name} fits no GPU group"
+    # Drafter deployments land only on groups where none of their targets fit (issue 9).
+    assert cfg.drafters and used_drafters(cfg)
+    for name in used_drafters(cfg):
+        d = cfg.drafters[name]
+        custom = {r: v for r, v in d.resources.items() if r not in ("CPU", "GPU")}
+        homes = [g for g, (gpus, res) in advertised.items()
+                 if gpus >= d.resources.get("GPU", 0) and all(res.get(r, 0) >= v for r, v in custom.items())]
+        assert homes, f"drafter {name} fits no GPU group"
+        for pname, pool in cfg.pools.items():
+            if pool.remote_drafter == name:
+                need = {r for b in pool.bundles for r in b if r not in ("CPU", "GPU")}
+                assert not any(need <= set(advertised[g][1]) for g in homes), (name, pname, homes)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -93,6 +93,23 @@ def test_placement_capacity_at_max_replicas():
     assert any("need 6 GPU" in e and "offer 4" in e for e in errors)
 
 
+def test_placement_gpu_drafters_go_on_their_own_group():
+    drafter_group = {"name": "dr", "cpu": 8, "memory_gib": 32, "gpus": 1, "custom_resources": {"drafter": 1},
+                     "max_replicas": 2}
+    pools = {"p": {"model": "m", "method": "remote_draft", "remote_drafter": "x", "max_k": 4,
+                   "tensor_parallel_size": 2, "bundles": BUNDLES_TP2}}
+    _, cfg = _cfg(pools, drafters={"x": {"model": "d", "replicas": 2, "resources": {"CPU": 1, "GPU": 1, "drafter": 1}}})
+    assert placement_errors(cfg, _settings(TP2, drafter_group)) == []
+    # Without the group's own resource the drafter could take the targets' GPUs.
+    _, cfg = _cfg(pools, drafters={"x": {"model": "d", "resources": {"CPU": 1, "GPU": 1}}})
+    errors = placement_errors(cfg, _settings(TP2, drafter_group))
+    assert any(e.startswith("drafters.x: may land with its targets (pools.p)") and "tp2" in e for e in errors)
+    _, cfg = _cfg(pools, drafters={"x": {"model": "d", "replicas": 3, "resources": {"GPU": 1, "drafter": 1}}})
+    assert any("need 3 drafter" in e for e in placement_errors(cfg, _settings(TP2, drafter_group)))
+    _, cfg = _cfg(pools, drafters={"x": {"model": "d", "resources": {"GPU": 1, "drafter": 1}}})
+    assert any(e.startswith("drafters.x: resources") for e in placement_errors(cfg, _settings(TP2)))
+
+
 def test_cpu_bundles_may_use_the_head():
     _, cfg = _cfg({"p": {"model": "m", "bundles": [{"CPU": 1}]}})
     assert placement_errors(cfg, _settings({**ONE, "ray_cpus": 0})) == []
@@ -195,7 +212,7 @@ def k8s_copy(tmp_path):
 def test_check_fails_on_stale_files(k8s_copy):
     assert main(["--k8s-dir", str(k8s_copy), "--check"]) == 0
     gen = k8s_copy / "overlays/gpu-prod/generated.yaml"
-    gen.write_text(gen.read_text().replace("maxReplicas: 6", "maxReplicas: 7"))
+    gen.write_text(gen.read_text().replace("maxReplicas: 8", "maxReplicas: 9"))
     assert main(["--k8s-dir", str(k8s_copy), "--check"]) == 1
     assert main(["--k8s-dir", str(k8s_copy), "--overlay", "gpu-prod"]) == 0
     assert main(["--k8s-dir", str(k8s_copy), "--check"]) == 0

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import copy
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -40,6 +41,8 @@ def bench_config(base: dict, http_port: int, grpc_port: int, redis_port: int, me
     remote.pop("drafter")
     remote.update(method="remote_draft", remote_drafter="bench", remote_timeout_s=timeout_s, remote_reprobe_s=1.0)
     raw["pools"] = {"draft": draft, "remote": remote}
+    for pool in raw["pools"].values():  # a shared, busy machine must not recycle an engine mid-phase
+        pool["health_probe_timeout_s"] = max(float(pool.get("health_probe_timeout_s", 20)), 120.0)
     raw["drafters"] = {"bench": {"model": draft["drafter"], "replicas": 1, "resources": {"CPU": 1}}}
     raw["name"] = "specserve-bench-remote"
     raw["api"].update(http_port=http_port, grpc_port=grpc_port)
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 if mode == "remote_draft":
                     engine.drafter_status.remote(True).result()  # reset the call-time samples
                 phase = asyncio.run(run_phase(url, texts, conc, mode, k, args.max_tokens))
-                phase.update(concurrency=conc, mode=mode, k=k)
+                phase.update(concurrency=conc, mode=mode, k=k, loadavg_1m=os.getloadavg()[0])
                 if mode == "remote_draft":
                     phase["remote"] = engine.drafter_status.remote(False).result()
                     phase["drafter"] = drafter.stats.remote().result()
@@ -152,14 +155,15 @@ def main(argv: list[str] | None = None) -> int:
 def render(report: dict) -> str:
     ms = lambda s: f"{s * 1000:.1f}"  # noqa: E731
     lines = ["| concurrency | mode | K | tokens/s | drafted | accepted | acceptance length | remote call p50 / p99 ms "
-             "| transport overhead p50 / p99 ms | timeouts/failures |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| transport overhead p50 / p99 ms | failed calls | machine load (1 min) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in report["phases"]:
         r = p.get("remote")
         call = f"{ms(r['rtt_s']['p50'])} / {ms(r['rtt_s']['p99'])}" if r and r["rtt_s"].get("n") else ""
         over = f"{ms(r['overhead_s']['p50'])} / {ms(r['overhead_s']['p99'])}" if r and r["overhead_s"].get("n") else ""
         fails = str(r["failures"]) if r else ""
         lines.append(f"| {p['concurrency']} | {p['mode']} | {p['k']} | {p['tokens_per_s']:.2f} | {p['drafted']} | "
-                     f"{p['accepted']} | {p['acceptance_length']:.2f} | {call} | {over} | {fails} |")
+                     f"{p['accepted']} | {p['acceptance_length']:.2f} | {call} | {over} | {fails} | {p['loadavg_1m']:.1f} |")
     h = report.get("ray_handle_call_s")
     if h:
         lines.append(f"\nRay Serve handle call to the drafter replica (driver, no work): p50 {ms(h['p50'])} ms, "

@@ -97,6 +97,17 @@ class _Publisher:
                     log.warning("autoscale record %s not published (%d failures): %s", self.key, self.failures, e)
 
 
+def _previous_last_change(redis_cfg: Mapping[str, Any], key: str) -> Optional[dict]:
+    """The last change a previous instance published (a restarted controller keeps the history)."""
+    import redis
+
+    try:
+        raw = _redis_client(redis_cfg, timeout_s=0.5).get(key)
+        return (json.loads(raw) or {}).get("last_change") if raw else None
+    except (redis.RedisError, OSError, ValueError, AttributeError):
+        return None
+
+
 class GoodputPolicy:
     """Ray Serve custom autoscaling policy of one engine pool (see module doc)."""
 
@@ -114,6 +125,7 @@ class GoodputPolicy:
             rc = RedisConfig.model_validate(redis)
             self.tuning = TuningStore(rc, models=(model,), refresh_interval_s=5.0, flush_interval_s=60.0)
             self.publisher = _Publisher(redis, record_key(rc.key_prefix, pool))
+            self.last_change = _previous_last_change(redis, record_key(rc.key_prefix, pool))
             weakref.finalize(self, self.publisher.stop.set)
             weakref.finalize(self, self.tuning.close, False)
         log.info("pool %s: goodput autoscaling policy, %s", pool, self.cfg.model_dump())

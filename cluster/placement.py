@@ -78,6 +78,8 @@ def engine_deployment_options(name: str, pool: PoolConfig, platform_env: Optiona
             "upscale_delay_s": a.upscale_delay_s,
             "downscale_delay_s": a.downscale_delay_s,
             "look_back_period_s": a.look_back_period_s,
+            # replicas report (and Ray averages) several times per look-back period
+            "metrics_interval_s": min(2.0, a.look_back_period_s / 2),
         }
         if a.policy == "goodput":
             opts["autoscaling_config"].update(goodput_policy_options(name, pool, redis))

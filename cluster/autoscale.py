@@ -131,7 +131,8 @@ def replica_carry(
 
     Step time is modelled as a line in the batch size: fitted by least squares through the measured
     (batch, step s) points, or through one point with the prior growth per request. No SLO or no
-    point: `fallback` (the config's target_ongoing_requests). Bounded to [1, max_carry].
+    point: `fallback` (the config's target_ongoing_requests); a crossing below every measured batch
+    (> 1) is not trusted either (fallback, at most the smallest measured batch). Bounded to [1, max_carry].
 
     >>> replica_carry([(1.0, 0.1), (11.5, 0.2)], 0.2, 8, 64)
     (11.5, 'measured')
@@ -154,6 +155,12 @@ def replica_carry(
     if slope <= 1e-12:  # step time does not grow with the batch (as far as measured)
         return (float(max_carry) if intercept <= slo_tpot_s else 1.0), source
     carry = (slo_tpot_s - intercept) / slope
+    lowest = pts[0][0]
+    if carry < lowest and lowest > 1.0:
+        # Every measured batch is already past the objective and nothing smaller was measured: the
+        # line's extrapolation downwards is not evidence (on an overloaded CPU it gave carry 1 from
+        # points at batch 11.5 and 24); keep the config's carry, at most the smallest measured batch.
+        return min(float(fallback), lowest), "config"
     return round(min(max(carry, 1.0), float(max_carry)), 3), source
 
 

@@ -211,7 +211,7 @@ async def run(args) -> int:
                                 "ttft_s": s.ttft_s, "latency_s": s.latency_s, "tokens": s.output_tokens,
                                 "task": s.task}) + "\n")
     summary = summarize(samples, records, phases, t0_unix)
-    summary.update(pool=pool, phases_spec=args.phases, max_tokens=args.max_tokens, url=args.url,
+    summary.update(t0_unix=t0_unix, pool=pool, phases_spec=args.phases, max_tokens=args.max_tokens, url=args.url,
                    autoscaling=a.model_dump(mode="json"), records=len(records), requests=len(samples))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot(rows, phases, out / "autoscale.png", f"pool {pool}: load ramp {args.phases} (req/s:s)")

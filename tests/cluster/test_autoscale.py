@@ -212,25 +212,41 @@ def _recorded() -> list[dict]:
     return [json.loads(line) for line in FIXTURE.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.skipif(not FIXTURE.exists(), reason="no recorded snapshots")
+def _carry_fixed(row: dict) -> bool:
+    """A tick recorded before a320750 whose carry was extrapolated below every measured batch."""
+    pts = PoolSnapshot.from_dict(row["snapshot"]).plain_step_s
+    c = AutoscalingConfig.model_validate(row["config"])
+    return (row["carry"], row["carry_source"]) != replica_carry(pts, c.slo_tpot_s, c.target_ongoing_requests,
+                                                               row.get("max_carry", 64.0))
+
+
 def test_replay_of_recorded_snapshots_gives_the_recorded_decisions():
-    """Every recorded tick, decided again from its snapshot and incoming state, gives the target and
-    action the live policy published (the policy is a pure function of what it was given)."""
+    """Every tick recorded live (run of 2026-11-22 08:02, BENCHMARKS.md section 7), decided again from
+    its snapshot and incoming state, gives the target, action and reason the live policy published;
+    except the ticks whose carry the later fix changed (measured points only above the SLO at large
+    batches), which must then be exactly those and now use the config's carry."""
     rows = _recorded()
-    assert len(rows) >= 10
+    assert len(rows) >= 100
+    fixed = 0
     for row in rows:
         c = AutoscalingConfig.model_validate(row["config"])
         v, _ = decide(PoolSnapshot.from_dict(row["snapshot"]), c, PolicyState.from_dict(row["state_in"]),
                       max_carry=row.get("max_carry", 64.0))
-        assert (v.replicas, v.action, v.reason) == (row["target"], row["action"], row["reason"]), row["time_unix_s"]
+        if _carry_fixed(row):
+            fixed += 1
+            pts = row["snapshot"]["plain_step_s"]
+            assert row["carry"] == 1.0 and min(b for b, _ in pts) > 1 and all(t > c.slo_tpot_s for _, t in pts)
+            assert v.carry_source == "config"
+        else:
+            assert (v.replicas, v.action, v.reason) == (row["target"], row["action"], row["reason"]), row["time_unix_s"]
+    assert 0 < fixed < len(rows)
 
 
-@pytest.mark.skipif(not FIXTURE.exists(), reason="no recorded snapshots")
-def test_recorded_run_scaled_up_and_back_down_for_stated_reasons():
-    # the up/down ticks themselves may fall between samples; every later record carries the last change
-    changes = {r["last_change"]["time_unix_s"]: r["last_change"] for r in _recorded() if r.get("last_change")}
-    ups = [c["reason"] for c in changes.values() if c["action"] == "up"]
-    downs = [c["reason"] for c in changes.values() if c["action"] == "down"]
-    assert ups and downs
-    assert all(("SLO" in r) or ("carried per replica" in r) for r in ups)
-    assert all("fits" in r for r in downs)
+def test_recorded_run_scaled_up_for_a_stated_reason_and_held_while_the_replica_started():
+    rows = _recorded()
+    ups = {r["last_change"]["time_unix_s"]: r["last_change"] for r in rows
+           if r.get("last_change") and r["last_change"]["action"] == "up"}
+    assert len(ups) == 1 and all("p99 TPOT" in u["reason"] and "> SLO" in u["reason"] for u in ups.values())
+    starting = [r for r in rows if r["running"] < r["target"]]
+    assert starting and all(r["action"] == "hold" and "scale-up under way" in r["reason"] for r in starting)
+    assert any(r["action"] == "pending-down" for r in rows)  # low load wanted fewer (never for the whole delay)

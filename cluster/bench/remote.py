@@ -129,11 +129,13 @@ def main(argv: list[str] | None = None) -> int:
             texts = prompts(n)
             for mode, k in (("none", 0), ("draft_model", args.k), ("remote_draft", args.k)):
                 if mode == "remote_draft":
-                    engine.drafter_status.remote(True).result()  # reset the call-time samples
+                    before = engine.drafter_status.remote(True).result()  # and reset the call-time samples
                 phase = asyncio.run(run_phase(url, texts, conc, mode, k, args.max_tokens))
                 phase.update(concurrency=conc, mode=mode, k=k, loadavg_1m=os.getloadavg()[0])
                 if mode == "remote_draft":
                     phase["remote"] = engine.drafter_status.remote(False).result()
+                    for key in ("calls", "failures", "skipped_open", "resyncs", "drafted"):  # this phase's
+                        phase["remote"][key] -= before[key]
                     phase["drafter"] = drafter.stats.remote().result()
                 report["phases"].append(phase)
                 print(f"c={conc} {mode:12s} K={k}: {phase['tokens_per_s']:.2f} tok/s "

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from cluster.bench.metrics import (Sample, Slo, check_lossless, group_by, repeat_spread, speedup,
                                    summarize)
-from cluster.bench.plan import NONE
+from cluster.bench.plan import AUTO, NONE
 
 
 def git_short_rev(cwd: Optional[Path] = None) -> str:
@@ -93,7 +93,65 @@ def build_summary(samples: list[Sample], slo: Slo = Slo(), tie_gap: float = 0.05
         out["load"][cfg] = levels
     for cfg, group in group_by([s for s in samples if s.phase == "poisson"], lambda s: s.config).items():
         out["poisson"][cfg] = summarize(group, slo)
+    if AUTO in out["load"] or any(AUTO in rows for rows in out["comparison"].values()):
+        out["router"] = router_verdict(out)
     return out
+
+
+# The router's targets (issue 4): at one stream at least the best static configuration overall and
+# within 5% of the best static one per task; under load at least 0.97 of the better of no speculation
+# and the best static speculation at every level.
+ROUTER_TASK_TOLERANCE = 0.95
+ROUTER_LOAD_TOLERANCE = 0.97
+
+
+def _load_tput(level: str, r: dict) -> float:
+    # level 1 is the interleaved one-stream comparison: per-request rates, not the wall span
+    return r["request_tokens_per_s" if level == "1" else "throughput_tokens_per_s"] or 0.0
+
+
+def router_verdict(summary: dict[str, Any], temperature: str = "0") -> dict[str, Any]:
+    """`auto` against the static configurations, from a built summary (pure). Ratios are auto's
+    tokens/s over the reference's; each `ok` says whether the issue-4 target holds."""
+    verdict: dict[str, Any] = {}
+    rows = summary["comparison"].get(temperature, {})
+    if AUTO in rows:
+        static = {c: r["repeat_tokens_per_s"]["median"] for c, r in rows.items() if c != AUTO}
+        best = max(static, key=static.get)
+        auto = rows[AUTO]["repeat_tokens_per_s"]["median"]
+        verdict["one_stream"] = {"auto_tokens_per_s": auto, "best_static": best,
+                                 "best_static_tokens_per_s": static[best],
+                                 "ratio": auto / static[best], "ok": auto >= static[best]}
+        tasks = {}
+        for task, arow in rows[AUTO]["by_task"].items():
+            speeds = {c: r["by_task"][task]["speedup"] for c, r in rows.items() if c != AUTO and task in r["by_task"]}
+            tbest = max(speeds, key=speeds.get)
+            ratio = arow["speedup"] / speeds[tbest]
+            tasks[task] = {"auto_speedup": arow["speedup"], "best_static": tbest,
+                           "best_static_speedup": speeds[tbest], "ratio": ratio,
+                           "ok": ratio >= ROUTER_TASK_TOLERANCE}
+        verdict["by_task"] = tasks
+    load = summary["load"]
+    if AUTO in load:
+        levels = {}
+        for level, arow in load[AUTO].items():
+            plain = _load_tput(level, load[NONE][level]) if level in load.get(NONE, {}) else 0.0
+            spec = {c: _load_tput(level, lv[level]) for c, lv in load.items()
+                    if c not in (AUTO, NONE) and level in lv}
+            sbest = max(spec, key=spec.get) if spec else None
+            ref = max(plain, spec[sbest] if sbest else 0.0)
+            if ref <= 0:
+                continue
+            auto = _load_tput(level, arow)
+            levels[level] = {"auto_tokens_per_s": auto, "none_tokens_per_s": plain, "best_static": sbest,
+                             "best_static_tokens_per_s": spec.get(sbest), "ratio": auto / ref,
+                             "ok": auto / ref >= ROUTER_LOAD_TOLERANCE}
+        verdict["load"] = levels
+    parts = [verdict.get("one_stream", {}).get("ok", True)]
+    parts += [t["ok"] for t in verdict.get("by_task", {}).values()]
+    parts += [lv["ok"] for lv in verdict.get("load", {}).values()]
+    verdict["all_ok"] = all(parts)
+    return verdict
 
 
 # -- Markdown -----------------------------------------------------------------------------------------
@@ -177,6 +235,8 @@ def render_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
                               _ms(r["latency_s"]["p99"]), fmt(r["acceptance_length"]), _kdist(r["k_distribution"]),
                               str(r["errors"])])
         lines += _table(header, table) + [""]
+    if summary.get("router"):
+        lines += _router_lines(summary["router"])
     if summary["poisson"]:
         lines += ["## Open loop (Poisson arrivals)", ""]
         header = ["config", "requests", "throughput tok/s", "goodput tok/s", "good", "TTFT p50", "TTFT p99",
@@ -187,6 +247,28 @@ def render_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
                   _kdist(r["k_distribution"]), str(r["errors"])] for cfg, r in summary["poisson"].items()]
         lines += _table(header, table) + [""]
     return "\n".join(lines) + "\n"
+
+
+def _router_lines(v: dict[str, Any]) -> list[str]:
+    yes = lambda ok: "yes" if ok else "**no**"  # noqa: E731
+    lines = ["## The router (`auto`) against static configurations", ""]
+    one = v.get("one_stream")
+    if one:
+        lines += [f"One stream, greedy: auto {fmt(one['auto_tokens_per_s'])} tok/s, best static "
+                  f"`{one['best_static']}` {fmt(one['best_static_tokens_per_s'])} tok/s: ratio "
+                  f"{fmt(one['ratio'], 3)} (target >= 1: {yes(one['ok'])}).", ""]
+    if v.get("by_task"):
+        table = [[t, fmt(r["auto_speedup"]), r["best_static"], fmt(r["best_static_speedup"]), fmt(r["ratio"], 3),
+                  yes(r["ok"])] for t, r in v["by_task"].items()]
+        lines += _table(["task", "auto speedup", "best static", "its speedup", "ratio",
+                         f">= {ROUTER_TASK_TOLERANCE}"], table) + [""]
+    if v.get("load"):
+        table = [[c, fmt(r["auto_tokens_per_s"]), fmt(r["none_tokens_per_s"]), str(r["best_static"]),
+                  fmt(r["best_static_tokens_per_s"]), fmt(r["ratio"], 3), yes(r["ok"])] for c, r in v["load"].items()]
+        lines += _table(["streams", "auto tok/s", "none tok/s", "best static", "its tok/s",
+                         "ratio to the better", f">= {ROUTER_LOAD_TOLERANCE}"], table) + [""]
+    lines += [f"All router targets met: {yes(v['all_ok'])}.", ""]
+    return lines
 
 
 # -- files ---------------------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--num-layers", type=int, default=4, help="draft_model: target layers kept")
     p.add_argument("--unroll", type=int, default=3, help="eagle: draft steps trained per round")
+    p.add_argument("--full-vocab", action="store_true",
+                   help="distil over all V tokens (default: only the training text's tokens, much faster)")
     p.add_argument("--lr", type=float, default=None, help="peak LR (default 2e-4)")
     p.add_argument("--batch-seqs", type=int, default=4)
     p.add_argument("--max-len", type=int, default=384)
@@ -111,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = TrainConfig(kind=args.kind, steps=args.steps, time_budget_s=args.time_budget_s,
                           lr=args.lr or 2e-4, unroll=args.unroll,
                           batch_seqs=args.batch_seqs, max_len=args.max_len, ckpt_every=args.ckpt_every,
-                          seed=args.seed)
-        train(cfg, drafter, target, train_set, out, resume=args.resume)
+                          seed=args.seed, sub_vocab=not args.full_vocab)
+        train(cfg, drafter, target, train_set, out, resume=args.resume, eos_id=tok.eos_token_id)
         # 5. artefacts
         write_artefact(args.kind, drafter, target, tok, artefact)
         print(f"artefact: {artefact}")

@@ -1,5 +1,6 @@
 """The distillation loss, shared by both drafter kinds: KL(target || drafter) on the target's
-next-token distribution plus cross-entropy on the target's own tokens."""
+next-token distribution plus cross-entropy on the target's own tokens, over whichever vocabulary
+the logits cover (all V tokens, or a sub-vocabulary V' with the ids mapped to its rows)."""
 
 from __future__ import annotations
 

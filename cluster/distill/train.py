@@ -4,6 +4,10 @@
 Contract: `train(cfg, drafter, target, samples, out_dir)` trains the drafter's own tensors in place
 (the target stays frozen and lends its embeddings / LM head) and returns the last step reached;
 running it again with `resume=True` continues exactly where the last checkpoint left off.
+
+With `cfg.sub_vocab` the loss is over the sub-vocabulary V' of the tokens the training samples use
+(the target's distribution renormalised over V'): the LM head, which dominates a step over SmolLM2's
+49,152 tokens, shrinks to V' rows. Evaluation stays over the full vocabulary.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 from cluster.distill.draft_model import unique_state
 from cluster.distill.loss import distill_loss
@@ -40,6 +45,7 @@ class TrainConfig:
     time_budget_s: Optional[float] = None
     log_every: int = 10
     seed: int = 0
+    sub_vocab: bool = True  # loss over the training samples' tokens only (else all V)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -71,30 +77,71 @@ def collate(samples: list[dict], max_len: int, context: int = 64) -> dict[str, t
     return {"ids": ids, "next_ids": nxt, "feats": feats, "sup": sup}
 
 
-def batch_loss(cfg: TrainConfig, drafter, target, batch: dict) -> tuple[torch.Tensor, dict]:
-    ids, nxt, feats, sup = batch["ids"], batch["next_ids"], batch["feats"], batch["sup"]
-    lm_head = target.lm_head
+@dataclass
+class LossVocab:
+    """The tokens the loss is over: `ids` [V'] sorted, the target's LM head rows for them, and
+    `index` [V] giving a token id's row (-1 outside V')."""
+
+    ids: torch.Tensor  # [V'] long
+    weight: torch.Tensor  # [V', H]
+    bias: Optional[torch.Tensor]  # [V'] or None
+    index: torch.Tensor  # [V] long
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., H] final-norm hidden states -> [..., V'] logits over these tokens."""
+        return F.linear(x, self.weight, self.bias)
+
+
+def loss_vocab(target, samples: Optional[list[dict]] = None, eos_id: Optional[int] = None) -> LossVocab:
+    """The full vocabulary (samples None), or the sorted unique tokens of the samples' `ids` (+ eos)."""
+    lm = target.lm_head
+    V = lm.weight.shape[0]
+    if samples is None:
+        ids = torch.arange(V)
+    else:
+        extra = [torch.tensor([eos_id])] if eos_id is not None else []
+        ids = torch.unique(torch.cat([s["ids"] for s in samples] + extra))  # [V'] sorted
+    with torch.no_grad():
+        weight = lm.weight if samples is None else lm.weight[ids]  # [V', H]: the full table is not copied
+        bias = None if lm.bias is None else lm.bias[ids]  # [V']
+    index = torch.full((V,), -1, dtype=torch.long)  # [V]
+    index[ids] = torch.arange(len(ids))
+    return LossVocab(ids, weight.detach(), bias, index)
+
+
+def student_states(cfg: TrainConfig, drafter, target, ids: torch.Tensor, feats: torch.Tensor) -> list:
+    """-> [(j, o)]: the drafter's final hidden states o [B, T, H], where o[:, t] predicts x_{t+j+1}
+    like the target's L_{t+j}. draft_model: j = 0 (its own next token, after its final norm);
+    eagle: draft steps j = 1..unroll."""
     if cfg.kind == "draft_model":
-        logits = drafter(input_ids=ids, use_cache=False).logits  # [B, T, V]
-        with torch.no_grad():
-            teacher = lm_head(feats[sup])  # [N, V]
-        loss, kl, ce = distill_loss(logits[sup], teacher, nxt[sup], cfg.ce_weight)
-        return loss, {"kl": float(kl), "ce": float(ce), "tokens": int(sup.sum())}
+        return [(0, drafter.model(input_ids=ids, use_cache=False).last_hidden_state)]  # 1 x [B, T, H]
     outs = drafter.unroll(target.model.embed_tokens, ids, feats, cfg.unroll)  # unroll x [B, T, H]
+    return list(enumerate(outs, start=1))
+
+
+def batch_loss(
+    cfg: TrainConfig, drafter, target, batch: dict, vocab: Optional[LossVocab] = None,
+) -> tuple[torch.Tensor, dict]:
+    """Distillation loss over `vocab` (default: the full vocabulary); eagle's draft step j weighs
+    step_decay**(j-1)."""
+    vocab = vocab if vocab is not None else loss_vocab(target)
+    ids, feats, sup = batch["ids"], batch["feats"], batch["sup"]
+    nxt = vocab.index[batch["next_ids"]]  # [B, T]: rows in V' (-1 outside it: padding, never supervised)
+    assert bool((nxt[sup] >= 0).all()), "a supervised token lies outside the loss vocabulary"
     T, total, wsum, stats = ids.shape[1], 0.0, 0.0, {"kl": 0.0, "ce": 0.0, "tokens": int(sup.sum())}
     with torch.no_grad():  # the target's logits at every supervised position, once for all draft steps
-        teacher_all = torch.log_softmax(lm_head(feats[sup]).float(), -1)  # [N_sup, V]
+        teacher_all = torch.log_softmax(vocab.logits(feats[sup]).float(), -1)  # [N_sup, V']
     row = torch.full(sup.shape, -1, dtype=torch.long)  # [B, T]: row of teacher_all for position p
     row[sup] = torch.arange(int(sup.sum()))
-    for j, o in enumerate(outs, start=1):
+    for j, o in student_states(cfg, drafter, target, ids, feats):
         if j >= T:
             break
-        m = sup[:, j:]  # [B, T-j]: draft step j at start t predicts x_{t+j+1}, like L_{t+j}
+        m = sup[:, j:]  # [B, T-j]: o[:, t] predicts x_{t+j+1}, like L_{t+j}
         if not bool(m.any()):
             continue
-        teacher = teacher_all[row[:, j:][m]]  # [N, V]
-        loss, kl, ce = distill_loss(lm_head(o[:, : T - j][m]), teacher, nxt[:, j:][m], cfg.ce_weight)
-        w = cfg.step_decay ** (j - 1)
+        teacher = teacher_all[row[:, j:][m]]  # [N, V']
+        loss, kl, ce = distill_loss(vocab.logits(o[:, : T - j][m]), teacher, nxt[:, j:][m], cfg.ce_weight)
+        w = cfg.step_decay ** max(j - 1, 0)
         total, wsum = total + w * loss, wsum + w
         stats[f"kl{j}"] = float(kl)
         stats["kl"] += w * float(kl)
@@ -147,10 +194,13 @@ def make_optimizer(cfg: TrainConfig, drafter) -> torch.optim.Optimizer:
 
 def train(
     cfg: TrainConfig, drafter, target, samples: list[dict], out_dir: Path, *, resume: bool = False,
-    log_fn: Callable[[str], None] = print,
+    eos_id: Optional[int] = None, log_fn: Callable[[str], None] = print,
 ) -> int:
     out_dir = Path(out_dir)
     target.requires_grad_(False)
+    vocab = loss_vocab(target, samples, eos_id) if cfg.sub_vocab else loss_vocab(target)
+    if cfg.sub_vocab:
+        log_fn(f"train: sub-vocabulary of {len(vocab.ids)} tokens (of {len(vocab.index)})")
     gen = torch.Generator().manual_seed(cfg.seed)
     opt = make_optimizer(cfg, drafter)
     if not resume:  # a fresh run: older checkpoints would otherwise outrank (and prune) the new ones
@@ -172,7 +222,7 @@ def train(
         # 2. loss, gradient, clipped update at this step's learning rate
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        loss, stats = batch_loss(cfg, drafter, target, batch)
+        loss, stats = batch_loss(cfg, drafter, target, batch, vocab)
         if not stats["tokens"] or not torch.is_tensor(loss):  # nothing supervised in this draw
             step += 1
             continue

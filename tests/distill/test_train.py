@@ -1,31 +1,82 @@
+import pytest
 import torch
 
 from cluster.distill.cli import build_drafter
-from cluster.distill.train import TrainConfig, _ckpts, batch_loss, collate, lr_at, make_optimizer, train
+from cluster.distill.loss import distill_loss
+from cluster.distill.train import (
+    TrainConfig, _ckpts, batch_loss, collate, loss_vocab, lr_at, make_optimizer, student_states, train,
+)
 from tests.distill.conftest import make_samples
 
+KINDS = ["eagle", "draft_model"]
 
-def _one_step_lowers(kind, target):
+
+@pytest.mark.parametrize("sub_vocab", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_step_lowers_the_loss(kind, sub_vocab, target):
     cfg = TrainConfig(kind=kind, lr=3e-3, unroll=2)
     drafter = build_drafter(kind, target, 1, seed=0)
-    batch = collate(make_samples(target), max_len=64)
+    samples = make_samples(target)
+    vocab = loss_vocab(target, samples) if sub_vocab else None
+    batch = collate(samples, max_len=64)
     opt = make_optimizer(cfg, drafter)
-    before, _ = batch_loss(cfg, drafter, target, batch)
+    before, _ = batch_loss(cfg, drafter, target, batch, vocab)
     opt.zero_grad()
     before.backward()
     opt.step()
     with torch.no_grad():
-        after, _ = batch_loss(cfg, drafter, target, batch)
+        after, _ = batch_loss(cfg, drafter, target, batch, vocab)
     assert float(after) < float(before.detach())
-
-
-def test_one_step_lowers_the_loss_eagle(target):
-    _one_step_lowers("eagle", target)
-
-
-def test_one_step_lowers_the_loss_draft_model(target):
-    _one_step_lowers("draft_model", target)
     assert not target.model.embed_tokens.weight.requires_grad
+
+
+def test_loss_vocab_is_the_samples_tokens_plus_eos(target):
+    samples = make_samples(target)
+    v = loss_vocab(target, samples, eos_id=2)
+    used = torch.unique(torch.cat([s["ids"] for s in samples]))
+    assert torch.equal(v.ids, torch.unique(torch.cat([used, torch.tensor([2])])))
+    assert v.weight.shape == (len(v.ids), 64) and torch.equal(v.weight, target.lm_head.weight[v.ids])
+    assert torch.equal(v.index[v.ids], torch.arange(len(v.ids)))
+    assert int((v.index >= 0).sum()) == len(v.ids) < 256
+    full = loss_vocab(target)
+    assert full.weight.data_ptr() == target.lm_head.weight.data_ptr()  # the LM head itself, not a copy
+    assert torch.equal(full.ids, torch.arange(256)) and not full.weight.requires_grad
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sub_vocab_of_every_token_gives_the_full_vocab_loss(kind, target):
+    cfg = TrainConfig(kind=kind, unroll=2)
+    drafter = build_drafter(kind, target, 1, seed=0)
+    batch = collate(make_samples(target), max_len=64)
+    every = loss_vocab(target, [{"ids": torch.arange(256)}])  # a copied [V, H] table, not the LM head itself
+    assert every.weight.data_ptr() != target.lm_head.weight.data_ptr()
+    full, full_stats = batch_loss(cfg, drafter, target, batch)
+    sub, sub_stats = batch_loss(cfg, drafter, target, batch, every)
+    assert torch.allclose(sub, full, rtol=1e-5, atol=1e-6)
+    assert abs(sub_stats["kl"] - full_stats["kl"]) < 1e-5 and abs(sub_stats["ce"] - full_stats["ce"]) < 1e-5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sub_vocab_logits_are_the_full_logits_at_its_tokens(kind, target):
+    cfg = TrainConfig(kind=kind, unroll=2)
+    drafter = build_drafter(kind, target, 1, seed=0)
+    samples = make_samples(target)
+    batch = collate(samples, max_len=64)
+    v = loss_vocab(target, samples)
+    with torch.no_grad():
+        states = student_states(cfg, drafter, target, batch["ids"], batch["feats"])
+        assert [j for j, _ in states] == ([0] if kind == "draft_model" else [1, 2])
+        for j, o in states:
+            full = drafter(input_ids=batch["ids"], use_cache=False).logits if kind == "draft_model" else target.lm_head(o)
+            assert torch.allclose(v.logits(o), full[..., v.ids], rtol=1e-5, atol=1e-5)
+        # the loss is the full-vocabulary one with both distributions renormalised over V'
+        if kind == "draft_model":
+            sup = batch["sup"]
+            logits = drafter(input_ids=batch["ids"], use_cache=False).logits[sup][:, v.ids]
+            teacher = target.lm_head(batch["feats"][sup])[:, v.ids]
+            want, _, _ = distill_loss(logits, teacher, v.index[batch["next_ids"][sup]], cfg.ce_weight)
+            got, _ = batch_loss(cfg, drafter, target, batch, v)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_collate_supervises_only_generated_tokens(target):
@@ -47,9 +98,11 @@ def test_lr_schedule_warms_up_then_decays():
     assert abs(lr_at(100, cfg) - 0.1) < 1e-9 and lr_at(50, cfg) < 1.0
 
 
-def test_resume_from_checkpoint_gives_identical_state(target, tmp_path):
+@pytest.mark.parametrize("sub_vocab", [False, True])
+def test_resume_from_checkpoint_gives_identical_state(sub_vocab, target, tmp_path):
     samples = make_samples(target)
-    cfg = TrainConfig(kind="eagle", steps=4, ckpt_every=2, keep_ckpts=2, batch_seqs=2, lr=1e-3, unroll=2, log_every=1)
+    cfg = TrainConfig(kind="eagle", steps=4, ckpt_every=2, keep_ckpts=2, batch_seqs=2, lr=1e-3, unroll=2, log_every=1,
+                      sub_vocab=sub_vocab)
     straight = build_drafter("eagle", target, 1, seed=0)
     torch.manual_seed(123)
     assert train(cfg, straight, target, samples, tmp_path / "a", log_fn=lambda s: None) == 4
@@ -59,7 +112,9 @@ def test_resume_from_checkpoint_gives_identical_state(target, tmp_path):
     resumed = build_drafter("eagle", target, 1, seed=0)
     lines = []
     assert train(cfg, resumed, target, samples, tmp_path / "a", resume=True, log_fn=lines.append) == 4
-    assert lines[0] == "train: resumed from step 2"
+    n = len(torch.unique(torch.cat([s["ids"] for s in samples])))
+    head = [f"train: sub-vocabulary of {n} tokens (of 256)"] if sub_vocab else []
+    assert lines[: len(head) + 1] == head + ["train: resumed from step 2"]
     assert any(line.startswith("step 4/4 loss") and "tok/s" in line and "eta" in line for line in lines)
     for (k, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), k
@@ -74,4 +129,5 @@ def test_time_budget_stops_and_checkpoints(target, tmp_path):
     d = build_drafter("draft_model", target, 1, seed=0)
     lines = []
     assert train(cfg, d, target, make_samples(target), tmp_path, log_fn=lines.append) == 0
-    assert "time budget" in lines[0] and _ckpts(tmp_path)
+    assert lines[0].startswith("train: sub-vocabulary of ")  # the default
+    assert "time budget" in lines[1] and _ckpts(tmp_path)

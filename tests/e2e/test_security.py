@@ -1,6 +1,9 @@
 """Issue 10 on a real cluster with API keys and TLS on: no key, a wrong key and a revoked key are
 refused on HTTP (401) and gRPC (UNAUTHENTICATED); a valid key works; HTTPS and gRPC over TLS work
-with a certificate made by the test (and fail against another CA); health stays open."""
+with a certificate made by the test (and fail against another CA); health stays open. The gRPC
+TLS port runs as mTLS for in-cluster callers (`api.tls.client_ca_file`): a client certificate
+from that CA is required (HTTPS cannot require one: Ray does not pass ssl_cert_reqs to uvicorn,
+see cluster/tls.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ def secure(tmp_path_factory):
     def mutate(raw):
         raw["auth"] = {"enabled": True, "api_keys_file": str(keys), "reload_interval_s": 0.5}
         raw["api"]["tls"] = {"certfile": str(pki.server_cert), "keyfile": str(pki.server_key),
-                             "grpc_tls_port": _free_port()}
+                             "client_ca_file": str(pki.ca_cert), "grpc_tls_port": _free_port()}
         raw["pools"] = {"ngram": raw["pools"]["ngram"]}  # one engine is enough here
         raw["pools"]["ngram"]["max_k"] = 2
 
@@ -49,9 +52,12 @@ def _chat(c, pki, key):
                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
 
 
-def _grpc_stub(c, pki):
+def _grpc_stub(c, pki, client_cert=True):
     port = c.raw["api"]["tls"]["grpc_tls_port"]
-    creds = grpc.ssl_channel_credentials(root_certificates=pki.ca_cert.read_bytes())
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=pki.ca_cert.read_bytes(),
+        private_key=pki.client_key.read_bytes() if client_cert else None,
+        certificate_chain=pki.client_cert.read_bytes() if client_cert else None)
     channel = grpc.secure_channel(f"localhost:{port}", creds)
     return channel, pb_grpc.SpecServeStub(channel)
 
@@ -103,4 +109,25 @@ def test_tls_refuses_another_ca(secure, tmp_path):
     with pytest.raises(grpc.RpcError) as e:
         _grpc_list(stub, KEEP)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    channel.close()
+
+
+def test_grpc_mtls_requires_a_client_certificate_from_the_ca(secure, tmp_path):
+    c, pki, _ = secure
+    channel, stub = _grpc_stub(c, pki, client_cert=False)
+    with pytest.raises(grpc.RpcError) as e:
+        _grpc_list(stub, KEEP)  # a valid API key is not enough without the client certificate
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    channel.close()
+    other = make_test_ca_and_cert(tmp_path / "other")
+    port = c.raw["api"]["tls"]["grpc_tls_port"]
+    foreign = grpc.secure_channel(f"localhost:{port}", grpc.ssl_channel_credentials(
+        root_certificates=pki.ca_cert.read_bytes(), private_key=other.client_key.read_bytes(),
+        certificate_chain=other.client_cert.read_bytes()))
+    with pytest.raises(grpc.RpcError) as e:
+        _grpc_list(pb_grpc.SpecServeStub(foreign), KEEP)  # a client certificate from another CA
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    foreign.close()
+    channel, stub = _grpc_stub(c, pki)
+    assert _grpc_list(stub, KEEP).models[0].name == "smollm2-135m"
     channel.close()

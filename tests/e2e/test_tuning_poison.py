@@ -94,8 +94,11 @@ def test_poisoned_tuning_keys_are_ignored_with_a_warning_and_a_metric(cluster):
         assert any(f'reason="{kind}"' in line for line in lines), (kind, lines)
     assert _metric_total(text, "ray_specserve_tuning_ignored_keys") >= len(poisoned)
 
-    # The warning, in the router replica's log (Ray Serve writes one file per replica).
-    logs = [p for p in glob.glob("/tmp/ray/session_*/logs/serve/replica_*Router*.log")
+    # The warning, in the router replica's logs: the `specserve.*` loggers write to the replica
+    # actor's stderr (logs/worker-*.err, headed `:actor_name:ServeReplica:<app>:router`), Ray
+    # Serve's own logger to logs/serve/replica_<app>_router_*.log; look in both.
+    logs = [p for p in glob.glob("/tmp/ray/session_*/logs/worker-*.err")
+            + glob.glob("/tmp/ray/session_*/logs/serve/replica_*router*.log")
             if os.path.getmtime(p) >= started - 1]
     found = set()
     for path in logs:

@@ -1,7 +1,8 @@
 """`specserve distill`: train a drafter for a target by self-distillation, evaluate it, ship it.
 
 Phases of `run`: 1 target, 2 data (cached), 3 drafter (init from the target, or the trained
-artefact with --eval-only), 4 train (resumable, time-boxed), 5 artefacts, 6 held-out evaluation.
+artefact with --eval-only), 4 train (resumable, time-boxed), 5 artefacts, 6 held-out evaluation
+(overall, per Spec-Bench task and over the chat-like tasks).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p.add_argument("--eval-only", action="store_true", help="evaluate --out's artefact (or the untrained init)")
     p.add_argument("--eval-k", type=int, default=6, help="largest K evaluated")
-    p.add_argument("--eval-prompts", type=int, default=40, help="held-out Spec-Bench prompts")
+    p.add_argument("--eval-per-task", type=int, default=8,
+                   help="held-out Spec-Bench prompts per task (mt_bench: spread over its 8 categories)")
     p.add_argument("--eval-max-new-tokens", type=int, default=128)
     p.add_argument("--train-prompts", type=int, default=None, help="cap on Spec-Bench training prompts")
     p.add_argument("--synthetic", type=int, default=200, help="synthetic instructions added to the prompts")
@@ -85,10 +87,11 @@ def run(args: argparse.Namespace) -> int:
     # 1. the frozen target
     target, tok = _load_target(args.target)
     # 2. prompts and the target's own continuations (cached)
-    train_p, eval_p = data.split_prompts(data.load_specbench(), args.eval_prompts, args.seed)
+    train_p, held = data.split_prompts(data.load_specbench(), args.eval_per_task, args.seed)
     train_p = train_p[: args.train_prompts] + data.synthetic_instructions(args.synthetic, args.seed)
-    eval_set = data.corpus(target, tok, eval_p, data_dir, max_new_tokens=args.eval_max_new_tokens,
-                           temperature=0.0, seed=args.seed)
+    eval_set = data.corpus(target, tok, [h.text for h in held], data_dir,
+                           max_new_tokens=args.eval_max_new_tokens, temperature=0.0, seed=args.seed)
+    eval_tasks = [h.task for h in held]  # aligned with eval_set: corpus keeps prompt order
     # 3. the drafter
     drafter = build_drafter(args.kind, target, args.num_layers, args.seed)
     artefact = out / "drafter"
@@ -121,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         if args.ship:
             print(f"shipped: {ship(args.kind, drafter, target, Path(args.ship))}")
     # 6. held-out evaluation
-    report = evaluate(args.kind, drafter, target, eval_set, args.eval_k)
+    report = evaluate(args.kind, drafter, target, eval_set, args.eval_k, tasks=eval_tasks)
     print(format_report(report))
     out.mkdir(parents=True, exist_ok=True)
     (out / ("eval-only.json" if args.eval_only else "eval.json")).write_text(json.dumps(report, indent=2) + "\n")

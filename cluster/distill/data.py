@@ -4,8 +4,10 @@ Contract: `corpus(...)` returns samples ``{"ids": [T] long, "prompt_len": int, "
 half}`` where ids = chat-templated prompt + the target's continuation (greedy or sampled with an
 explicit seeded generator) and feats are the target's final-norm hidden states on them. Results are
 cached on disk in shards keyed by everything that determines them, so an interrupted run resumes.
-Prompts: the first turns of Spec-Bench (`cluster/data/specbench-dev.jsonl`, a fixed seeded
-held-out split for evaluation) plus simple synthetic instructions.
+Samples come back in prompt order, so a list aligned with the prompts (e.g. their tasks) stays
+aligned with the samples. Prompts: the first turns of Spec-Bench (`cluster/data/specbench-dev.jsonl`,
+a seeded split stratified by Spec-Bench task holds some of every task out for evaluation) plus
+simple synthetic instructions.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ import hashlib
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from cluster.bench.workload import task_of
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +53,39 @@ def load_specbench(path: Path = SPECBENCH) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def split_prompts(records: list[dict], n_eval: int, seed: int) -> tuple[list[str], list[str]]:
-    """First turns of the records -> (train prompts, held-out eval prompts), a fixed seeded split."""
+@dataclass(frozen=True)
+class HeldOut:
+    """A held-out evaluation prompt and the Spec-Bench reporting group it belongs to."""
+
+    text: str  # the first turn
+    task: str  # `cluster.bench.workload.task_of(category)`
+    category: str  # the file's category
+
+
+def split_prompts(records: list[dict], n_eval_per_task: int, seed: int) -> tuple[list[str], list[HeldOut]]:
+    """Records -> (train first turns, held-out prompts): a seeded split stratified by task.
+
+    Every task holds out `n_eval_per_task` records, drawn round-robin over its categories (so the
+    eight MT-bench categories of `mt_bench` each contribute); everything else is training, in a
+    seeded random order. The same records and seed give the same split; the two parts are disjoint.
+    """
     gen = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(records), generator=gen).tolist()
-    firsts = [records[i]["turns"][0] for i in order]
-    return firsts[n_eval:], firsts[:n_eval]
+    shuffled = [records[i] for i in torch.randperm(len(records), generator=gen).tolist()]
+    by_task: dict[str, dict[str, list[int]]] = {}  # task -> category -> indices into shuffled
+    for i, r in enumerate(shuffled):
+        by_task.setdefault(task_of(r["category"]), {}).setdefault(r["category"], []).append(i)
+    held: list[int] = []
+    for task in sorted(by_task):
+        cats = list(by_task[task].values())  # in order of first appearance in the shuffle: seeded
+        if n_eval_per_task > sum(map(len, cats)):
+            raise ValueError(f"task {task!r} has {sum(map(len, cats))} records, "
+                             f"fewer than --eval-per-task {n_eval_per_task}")
+        robin = [c[j] for j in range(max(map(len, cats))) for c in cats if j < len(c)]
+        held += robin[:n_eval_per_task]
+    out = set(held)
+    train = [r["turns"][0] for i, r in enumerate(shuffled) if i not in out]
+    return train, [HeldOut(shuffled[i]["turns"][0], task_of(shuffled[i]["category"]), shuffled[i]["category"])
+                   for i in held]
 
 
 def synthetic_instructions(n: int, seed: int) -> list[str]:

@@ -2,8 +2,9 @@
 
 Contract: on the target's greedy continuations of held-out prompts, every round start t in the
 continuation is scored as vLLM's greedy rule would score it (accept while d_j == argmax L_{t+j});
-the result is the acceptance rate per position and the acceptance length for K = 1..K_max.
-Teacher forcing is exact here: while drafts match, the drafter's inputs are the text's tokens.
+the result is the acceptance rate per position and the acceptance length for K = 1..K_max, over
+all rounds, per Spec-Bench task (`by_task`) and over the chat-like tasks (`chat_like`, the group
+the acceptance target is stated for). Teacher forcing is exact here: while drafts match, the drafter's inputs are the text's tokens.
 """
 
 from __future__ import annotations
@@ -11,6 +12,12 @@ from __future__ import annotations
 import torch
 
 from cluster.distill.data import features
+
+# The tasks the "acceptance length on chat-like categories" target is read on: MT-bench's chat
+# categories (task `mt_bench`: writing, roleplay, reasoning, math, coding, extraction, stem,
+# humanities) plus open question answering (`qa`). Summarization, translation, RAG and
+# math_reasoning are document- or problem-bound transformations, not chat, and are reported apart.
+CHAT_LIKE_TASKS = ("mt_bench", "qa")
 
 
 def accepted_counts(match: torch.Tensor) -> torch.Tensor:
@@ -55,16 +62,48 @@ def draft_model_match(draft, target, ids: torch.Tensor, prompt_len: int, k: int)
     return same[t[:, None] + torch.arange(1, k + 1)[None, :]]  # [N, k]
 
 
-def evaluate(kind: str, drafter, target, samples: list[dict], k_max: int = 6) -> dict:
+def group_summaries(accepted: list[torch.Tensor], tasks: list[str] | None, k_max: int) -> dict:
+    """accepted: one [N_i] per sequence, tasks: the sequence's task (aligned) -> the overall summary,
+    `by_task` (task -> summary over its sequences) and `chat_like` (over CHAT_LIKE_TASKS' sequences;
+    None when there are none). Without tasks only the overall summary, by_task = {}."""
+    if tasks is not None and len(tasks) != len(accepted):
+        raise ValueError(f"{len(tasks)} tasks for {len(accepted)} sequences")
+
+    def over(idx: list[int]) -> dict:
+        acc = [accepted[i] for i in idx]
+        return {"sequences": len(acc), **summarize(torch.cat(acc) if acc else torch.zeros(0), k_max)}
+
+    tasks = tasks or []
+    by_task = {t: over([i for i, u in enumerate(tasks) if u == t]) for t in sorted(set(tasks))}
+    chat = [i for i, u in enumerate(tasks) if u in CHAT_LIKE_TASKS]
+    return {**over(list(range(len(accepted)))), "by_task": by_task,
+            "chat_like": {"tasks": list(CHAT_LIKE_TASKS), **over(chat)} if chat else None}
+
+
+def evaluate(kind: str, drafter, target, samples: list[dict], k_max: int = 6,
+             tasks: list[str] | None = None) -> dict:
+    """Score every round of every sample; tasks (aligned with samples) adds by_task and chat_like."""
     match_fn = eagle_match if kind == "eagle" else draft_model_match
     was = drafter.training
     drafter.eval()
     acc = [accepted_counts(match_fn(drafter, target, s["ids"], s["prompt_len"], k_max)) for s in samples]
     drafter.train(was)
-    return {"kind": kind, "sequences": len(samples), **summarize(torch.cat(acc) if acc else torch.zeros(0), k_max)}
+    return {"kind": kind, **group_summaries(acc, tasks, k_max)}
+
+
+def _line(label: str, r: dict) -> str:
+    alpha = " ".join(f"{a:.3f}" for a in r["alpha"])
+    al = " ".join(f"K{k}={v:.3f}" for k, v in r["acceptance_length"].items())
+    return f"{label} {r['sequences']} seqs, {r['rounds']} rounds | alpha_j: {alpha} | acceptance length: {al}"
 
 
 def format_report(r: dict) -> str:
-    alpha = " ".join(f"{a:.3f}" for a in r["alpha"])
-    al = " ".join(f"K{k}={v:.3f}" for k, v in r["acceptance_length"].items())
-    return f"eval[{r['kind']}] {r['sequences']} seqs, {r['rounds']} rounds | alpha_j: {alpha} | acceptance length: {al}"
+    """The overall line, one line per task, and the chat-like line."""
+    lines = [_line(f"eval[{r['kind']}]", r)]
+    width = max((len(t) for t in r.get("by_task", {})), default=0)
+    lines += [_line(f"  {t:<{width}}", s) for t, s in r.get("by_task", {}).items()]
+    if r.get("chat_like"):
+        lines.append(_line(f"  chat_like ({'+'.join(r['chat_like']['tasks'])})", r["chat_like"]))
+    elif r.get("by_task"):
+        lines.append(f"  chat_like ({'+'.join(CHAT_LIKE_TASKS)}): no held-out sequences")
+    return "\n".join(lines)

@@ -8,7 +8,8 @@ def test_arguments_parse_with_their_defaults():
     cli.add_arguments(p)
     a = p.parse_args(["--kind", "draft_model", "--time-budget-s", "60", "--resume", "--eval-only"])
     assert (a.kind, a.time_budget_s, a.resume, a.eval_only, a.eval_k) == ("draft_model", 60.0, True, True, 6)
-    assert p.parse_args([]).kind == "eagle"
+    assert p.parse_args([]).kind == "eagle" and p.parse_args([]).eval_per_task == 8
+    assert p.parse_args(["--eval-per-task", "3"]).eval_per_task == 3
 
 
 def test_build_drafter_gives_both_kinds(target):

@@ -1,9 +1,11 @@
 import json
+from collections import Counter
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from cluster.bench.workload import MT_BENCH_CATEGORIES, task_of
 from cluster.distill import data
 from cluster.distill.cli import build_drafter
 from cluster.distill.ship import MANIFEST, assemble, ship
@@ -37,12 +39,60 @@ def test_assemble_refuses_another_target(target, tmp_path):
         assemble(shipped, tmp_path / "other", tmp_path / "full")
 
 
-def test_split_is_fixed_and_disjoint():
+TASKS = ("math_reasoning", "mt_bench", "qa", "rag", "summarization", "translation")
+
+
+def test_split_is_stratified_fixed_and_disjoint():
     recs = data.load_specbench()
-    tr, ev = data.split_prompts(recs, 40, seed=0)
-    assert len(ev) == 40 and len(tr) == len(recs) - 40 and not set(tr) & set(ev)
-    assert data.split_prompts(recs, 40, seed=0) == (tr, ev)
+    category_of = {r["turns"][0]: r["category"] for r in recs}
+    tr, ev = data.split_prompts(recs, 8, seed=0)
+    assert Counter(h.task for h in ev) == {t: 8 for t in TASKS}
+    assert Counter(h.category for h in ev if h.task == "mt_bench") == {c: 1 for c in MT_BENCH_CATEGORIES}
+    assert all(h.category == category_of[h.text] and h.task == task_of(h.category) for h in ev)
+    texts = [h.text for h in ev]
+    assert len(tr) == len(recs) - 48 and not set(tr) & set(texts)
+    assert sorted(tr + texts) == sorted(category_of)  # nothing lost, nothing twice
+    assert data.split_prompts(recs, 8, seed=0) == (tr, ev)
+    assert data.split_prompts(recs, 8, seed=1) != (tr, ev)
     assert data.synthetic_instructions(5, 1) == data.synthetic_instructions(5, 1)
+
+
+@pytest.mark.parametrize("n, most", [(3, 1), (12, 2), (0, 0)])
+def test_split_spreads_mt_bench_over_its_categories(n, most):
+    recs = data.load_specbench()
+    for seed in range(3):
+        tr, ev = data.split_prompts(recs, n, seed)
+        per_cat = Counter(h.category for h in ev if h.task == "mt_bench")
+        assert sum(per_cat.values()) == n and max(per_cat.values(), default=0) == most
+        assert min(per_cat.values(), default=0) >= most - 1 and len(tr) == len(recs) - 6 * n
+
+
+def test_split_refuses_more_than_a_task_has():
+    with pytest.raises(ValueError, match="fewer than"):
+        data.split_prompts(data.load_specbench(), 41, seed=0)
+
+
+class CharTokenizer:
+    """A stand-in tokenizer: one token per character, a visible chat template."""
+
+    eos_token_id, pad_token_id = 2, 0
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return "<" + messages[0]["content"] + ">"
+
+    def __call__(self, s, add_special_tokens=False):
+        return {"input_ids": [3 + ord(c) % 250 for c in s]}
+
+
+def test_corpus_returns_samples_in_prompt_order(target, tmp_path):
+    """Batches are sorted by length inside a shard; the result must still follow the prompts."""
+    prompts = ["a long first prompt", "b", "mid one", "xy", "the fifth prompt"]
+    tok = CharTokenizer()
+    kw = dict(max_new_tokens=3, temperature=0.0, seed=0, batch_size=2, shard_size=3, log_fn=lambda m: None)
+    out = data.corpus(target, tok, prompts, tmp_path, **kw)
+    assert [s["ids"][: s["prompt_len"]].tolist() for s in out] == [data.chat_ids(tok, p) for p in prompts]
+    cached = data.corpus(target, tok, prompts, tmp_path, **kw)
+    assert all(torch.equal(a["ids"], b["ids"]) for a, b in zip(out, cached)) and len(cached) == len(out)
 
 
 def test_batched_left_padded_generation_equals_one_by_one(target):

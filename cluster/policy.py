@@ -6,27 +6,35 @@ from the tuned state `tuning` (a `TuningView`, or None for priors only); `k_cap_
 pool's per-step `k_cap_by_batch` table from the same state. Words are those of
 `cluster.speculation`; in addition:
 
-- **alpha** (α): the chance that a draft token is accepted given the ones before it were
-  (a geometric model). Expected output tokens per step with K drafts:
-  E(α, K) = 1 + α + ... + α^K = (1 - α^(K+1)) / (1 - α).
-- **rejected steps**: steps that ended on a rejected draft, or drafted nothing (a step that
-  speculated and bought nothing). α's estimate is accepted / (accepted + rejected_steps), the
-  maximum-likelihood estimate under the geometric model truncated at the drafted length
-  (`cluster.tuning.increments_from_stats` counts the trials).
+- **alpha** (α): the chance that a drafted token is accepted given the ones before it were
+  (a geometric model), in the steps that drafted anything.
+- **draft rate** (p): the share of steps that drafted anything. A model drafter always drafts
+  (p = 1); n-gram lookup drafts only where the text repeats (8-55% of steps per class for SmolLM2
+  here) and a step without drafts costs nothing extra. Expected output tokens per step with K:
+  E(α, K, p) = 1 + p·(α + ... + α^K) = 1 + p·((1 - α^(K+1)) / (1 - α) - 1).
+  (Folding the draftless steps into α as rejections, as this module first did, put α for n-gram
+  at 0.10-0.30 where the drafted tokens were accepted at 0.6-0.9, and the policy chose K = 1 where
+  K = 4-5 was fastest.)
+- **rejected steps**: steps that ended on a rejected draft, or drafted nothing (the tuning state
+  counts both). The draftless ones (steps minus the exposure of draft position 0) are taken out
+  for α: its estimate is accepted / (accepted + rejected drafting steps), the maximum-likelihood
+  estimate under the geometric model truncated at the drafted length
+  (`cluster.tuning.increments_from_stats` counts the trials); p's is drafting steps / steps.
 - **cost per K** (c): extra time of one step per draft token, relative to a plain step at the
   same load: step time(K) / step time(0) = 1 + c·K, where c = verify cost (grows with batch size:
   verifying K more tokens per request is nearly free at batch 1 and not at batch 16) + draft cost
   (the proposer's own work). Measured as decode seconds per step of a mode against plain decoding
   in the same load bucket, blended with priors.
 - **score** of (pool, K): expected output tokens per unit of plain-step time at batch 1,
-  E(α, K) / (step_rel(batch) · (1 + c·K)) — proportional to the request's tokens per second.
+  E(α, K, p) / (step_rel(batch) · (1 + c·K)) — proportional to the request's tokens per second.
 - **load bucket**: the batch the request joins (`PoolView.load_batch + 1`: the pool's batch per
   replica, or the whole hardware group's load when pools share hardware) bucketed as
   1, 2-3, 4-7, 8-15, 16+.
 
-α is learned per (mode, workload class) from every load bucket's traffic (acceptance depends on
-the text and the drafter, not on the batch); cost per K and step time per bucket. Cold start uses
-priors: the pool's measured `prior_alpha` when configured, else a Spec-Bench-like table (n-gram α
+α and p are learned per (mode, workload class) from every load bucket's traffic (acceptance
+depends on the text and the drafter, not on the batch); cost per K and step time per bucket. Cold
+start uses priors (p = 1 until steps say otherwise): the pool's measured `prior_alpha` when
+configured, else a Spec-Bench-like table (n-gram α
 per class; at batch 16 speculation costs throughput, 63.8 vs 70.1 tok/s here), and converges
 from live traffic as counts outweigh the prior's pseudo-counts. Exploration: with probability ε
 (shrinking with data) every pool draws α from its Beta posterior and the best sampled (pool, K)
@@ -76,6 +84,7 @@ class PolicyParams:
     """Knobs of the policy; the defaults are the priors for the CPU box (see module doc)."""
 
     prior_trials: float = 100.0  # pseudo-count of the α prior (accepted + rejected steps)
+    prior_draft_steps: float = 100.0  # pseudo-count of the draft-rate prior p = 1 (steps)
     prior_cost_steps: float = 2000.0  # pseudo-count of the cost prior (steps)
     min_cost_steps: int = 200  # steps a cell needs before its step time is used at all
     max_effective_trials: float = 5000.0  # counts are scaled down to this, so the posterior never freezes
@@ -115,9 +124,25 @@ class CellStats:
         return 1.0 + (self.accepted / self.steps if self.steps else 0.0)
 
     @property
+    def drafting_steps(self) -> int:
+        """Steps that drafted anything: the exposure of draft position 0 (all steps when unrecorded)."""
+        return min(self.exposed_at[0], self.steps) if self.exposed_at else self.steps
+
+    @property
+    def rejected_drafting_steps(self) -> int:
+        """Rejected steps among those that drafted (rejected_steps also counts the draftless ones)."""
+        return max(self.rejected_steps - (self.steps - self.drafting_steps), 0)
+
+    @property
     def alpha(self) -> Optional[float]:
-        trials = self.accepted + self.rejected_steps
+        """Measured α: acceptance of a drafted token given the earlier ones, in drafting steps."""
+        trials = self.accepted + self.rejected_drafting_steps
         return self.accepted / trials if trials else None
+
+    @property
+    def draft_rate(self) -> Optional[float]:
+        """Measured p: the share of steps that drafted anything."""
+        return self.drafting_steps / self.steps if self.steps else None
 
     @property
     def tokens_per_s(self) -> Optional[float]:
@@ -206,14 +231,19 @@ def load_bucket(batch_size: float) -> str:
     return LOAD_BUCKETS[max(bisect.bisect_right(starts, batch_size) - 1, 0)][1]
 
 
-def expected_tokens_per_step(alpha: float, k: int) -> float:
-    """E(α, K) = (1 - α^(K+1)) / (1 - α): accepted drafts + the bonus token, per step."""
+def expected_tokens_per_step(alpha: float, k: int, draft_rate: float = 1.0) -> float:
+    """E(α, K, p) = 1 + p·((1 - α^(K+1)) / (1 - α) - 1): the bonus token + accepted drafts, per step.
+
+    >>> round(expected_tokens_per_step(0.5, 2), 3), round(expected_tokens_per_step(0.5, 2, 0.2), 3)
+    (1.75, 1.15)
+    """
     alpha = min(max(alpha, 0.0), 1.0)
+    p = min(max(draft_rate, 0.0), 1.0)
     if k <= 0:
         return 1.0
     if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+        return 1.0 + p * k
+    return 1.0 + p * ((1.0 - alpha ** (k + 1)) / (1.0 - alpha) - 1.0)
 
 
 def prior_alpha(mode: str, workload_class: str, measured: Mapping[str, float] | tuple = ()) -> float:
@@ -239,14 +269,27 @@ def _blend(measured: Optional[float], n: float, prior: float, n_prior: float) ->
 
 
 def alpha_posterior(cell: CellStats, alpha_prior: float, params: PolicyParams = DEFAULT_PARAMS) -> tuple[float, float]:
-    """Beta(a, b) posterior of α: prior pseudo-counts plus accepted / rejected steps, scaled down
-    to at most `max_effective_trials` so that old traffic does not freeze the estimate."""
-    s, f = float(cell.accepted), float(cell.rejected_steps)
+    """Beta(a, b) posterior of α: prior pseudo-counts plus accepted / rejected drafting steps,
+    scaled down to at most `max_effective_trials` so that old traffic does not freeze the estimate."""
+    s, f = float(cell.accepted), float(cell.rejected_drafting_steps)
     if s + f > params.max_effective_trials:
         scale = params.max_effective_trials / (s + f)
         s, f = s * scale, f * scale
     a0 = min(max(alpha_prior, 0.001), 0.999)
     return params.prior_trials * a0 + s, params.prior_trials * (1.0 - a0) + f
+
+
+def draft_rate(cell: CellStats, params: PolicyParams = DEFAULT_PARAMS) -> float:
+    """Posterior mean of p: drafting steps over steps, with the prior p = 1 worth prior_draft_steps
+    steps (a cell without data drafts every step, as a model drafter does).
+
+    >>> draft_rate(CellStats(steps=900, exposed_at=(180,)))
+    0.28
+    """
+    n, d = float(cell.steps), float(cell.drafting_steps)
+    if n > params.max_effective_trials:
+        d, n = d * params.max_effective_trials / n, params.max_effective_trials
+    return (d + params.prior_draft_steps) / (n + params.prior_draft_steps)
 
 
 def cost_per_k(view: Optional[TuningView], mode: str, bucket: str, params: PolicyParams = DEFAULT_PARAMS) -> float:
@@ -275,9 +318,9 @@ def step_time_rel(view: Optional[TuningView], bucket: str, params: PolicyParams 
     return _blend(max(here.step_s / one.step_s, 0.1), n, prior, params.prior_cost_steps)
 
 
-def score(alpha: float, k: int, cost: float, step_rel: float = 1.0) -> float:
-    """Expected tokens per unit of batch-1 plain-step time: E(α, K) / (step_rel · (1 + c·K))."""
-    return expected_tokens_per_step(alpha, k) / (step_rel * (1.0 + max(cost, 0.0) * k))
+def score(alpha: float, k: int, cost: float, step_rel: float = 1.0, draft_rate: float = 1.0) -> float:
+    """Expected tokens per unit of batch-1 plain-step time: E(α, K, p) / (step_rel · (1 + c·K))."""
+    return expected_tokens_per_step(alpha, k, draft_rate) / (step_rel * (1.0 + max(cost, 0.0) * k))
 
 
 def best_k(scores: Mapping[int, float], tie_tol: float = DEFAULT_PARAMS.tie_tol) -> int:
@@ -310,6 +353,7 @@ class Candidate:
     bucket: str
     alpha: float  # posterior mean (0 for plain pools)
     alpha_beta: tuple[float, float]
+    draft_rate: float  # p, posterior mean (1 for plain pools: unused there)
     cost: float
     step_rel: float
     scores: Mapping[int, float]  # K -> score, K in 0..pool.max_k
@@ -329,7 +373,7 @@ _SCORE_CACHE_MAX = 4096
 
 
 def _pool_scores(view, mode, workload_class, bucket, max_k, step_rel, priors, params):
-    """(alpha, (a, b), cost, {K: score}) of one cell. α is learned per (mode, class) over every
+    """(alpha, (a, b), p, cost, {K: score}) of one cell. α and p are learned per (mode, class) over every
     load bucket; the cost per K per bucket. Memoised per view refresh: the result depends only on
     the view's cells (replaced as a whole on each refresh), so the request path pays the posterior
     and cost arithmetic once per cell and refresh, not once per request."""
@@ -340,9 +384,9 @@ def _pool_scores(view, mode, workload_class, bucket, max_k, step_rel, priors, pa
         return hit[1]
     cell = view.class_cell(mode, workload_class) if view is not None else _ZERO
     a, b = alpha_posterior(cell, prior_alpha(mode, workload_class, priors), params)
-    alpha = a / (a + b)
+    alpha, p = a / (a + b), draft_rate(cell, params)
     cost = cost_per_k(view, mode, bucket, params)
-    result = (alpha, (a, b), cost, {k: score(alpha, k, cost, step_rel) for k in range(max_k + 1)})
+    result = (alpha, (a, b), p, cost, {k: score(alpha, k, cost, step_rel, p) for k in range(max_k + 1)})
     if len(_SCORE_CACHE) >= _SCORE_CACHE_MAX:
         _SCORE_CACHE.clear()
     _SCORE_CACHE[key] = (cells, result)
@@ -356,11 +400,11 @@ def score_pool(pool, workload_class: str, view: Optional[TuningView], params: Po
     step_rel = step_time_rel(view, bucket, params)
     max_k = min(max(int(pool.max_k), 0), MAX_K)
     if pool.method == SpecMode.NONE or max_k == 0:
-        return Candidate(pool, bucket, 0.0, (0.0, 1.0), 0.0, step_rel, {0: score(0.0, 0, 0.0, step_rel)}, 0)
-    alpha, (a, b), cost, scores = _pool_scores(view, mode, workload_class, bucket, max_k, step_rel,
-                                               pool.prior_alpha, params)
+        return Candidate(pool, bucket, 0.0, (0.0, 1.0), 1.0, 0.0, step_rel, {0: score(0.0, 0, 0.0, step_rel)}, 0)
+    alpha, (a, b), p, cost, scores = _pool_scores(view, mode, workload_class, bucket, max_k, step_rel,
+                                                  pool.prior_alpha, params)
     incumbent = view.chosen_k.get((mode, workload_class, bucket)) if view is not None else None
-    return Candidate(pool, bucket, alpha, (a, b), cost, step_rel, scores, hysteresis_k(scores, incumbent, params))
+    return Candidate(pool, bucket, alpha, (a, b), p, cost, step_rel, scores, hysteresis_k(scores, incumbent, params))
 
 
 def _sampled(cand: Candidate, rng: random.Random, params: PolicyParams) -> tuple[float, int]:
@@ -368,7 +412,7 @@ def _sampled(cand: Candidate, rng: random.Random, params: PolicyParams) -> tuple
     if not cand.speculative:
         return cand.scores[0], 0
     alpha = rng.betavariate(*cand.alpha_beta)
-    scores = {k: score(alpha, k, cand.cost, cand.step_rel) for k in cand.scores}
+    scores = {k: score(alpha, k, cand.cost, cand.step_rel, cand.draft_rate) for k in cand.scores}
     k = best_k(scores, params.tie_tol)
     return scores[k], k
 
@@ -424,8 +468,9 @@ def choose_auto(
     k = min(k, chosen.pool.max_k)
     detail = {
         "load_bucket": chosen.bucket, "pool_mode": chosen.mode, "explore": explore,
-        "alpha": round(chosen.alpha, 4), "cost_per_k": round(chosen.cost, 4),
-        "expected_tokens_per_step": round(expected_tokens_per_step(chosen.alpha, k), 4),
+        "alpha": round(chosen.alpha, 4), "draft_rate": round(chosen.draft_rate, 4),
+        "cost_per_k": round(chosen.cost, 4),
+        "expected_tokens_per_step": round(expected_tokens_per_step(chosen.alpha, k, chosen.draft_rate), 4),
         "score": round(chosen.scores[k], 4),
         "scores": {c.pool.name: round(c.scores[c.k], 4) for c in cands},
     }
@@ -465,22 +510,25 @@ def k_cap_table(
         return [(1, 0)]
     weights = class_weights(view, mode)
 
-    def class_alpha(c: str) -> float:
+    def class_model(c: str) -> tuple[float, float]:
+        """(α, p) of class c."""
         cell = view.class_cell(mode, c) if view is not None else _ZERO
         a, b = alpha_posterior(cell, prior_alpha(mode, c, priors), params)
-        return a / (a + b)
+        return a / (a + b), draft_rate(cell, params)
 
-    alphas = {c: class_alpha(c) for c in weights}
+    models = {c: class_model(c) for c in weights}
     admitted = {}
     for c in weights:
         cost = cost_per_k(view, mode, "1", params)
-        admitted[c] = best_k({k: score(alphas[c], k, cost) for k in range(max_k + 1)}, params.tie_tol)
+        admitted[c] = best_k({k: score(models[c][0], k, cost, 1.0, models[c][1]) for k in range(max_k + 1)},
+                             params.tie_tol)
     table: list[tuple[int, int]] = []
     previous = max_k
     for start, bucket in LOAD_BUCKETS:
         cost = cost_per_k(view, mode, bucket, params)
         totals = {
-            cap: sum(w * score(alphas[c], min(admitted[c], cap), cost) for c, w in weights.items())
+            cap: sum(w * score(models[c][0], min(admitted[c], cap), cost, 1.0, models[c][1])
+                     for c, w in weights.items())
             for cap in range(previous + 1)
         }
         cap = best_k(totals, params.tie_tol)
@@ -510,6 +558,7 @@ def tuning_rows(view: TuningView, params: PolicyParams = DEFAULT_PARAMS) -> list
             "steps": cell.steps, "mean_k": round(cell.mean_k, 3),
             "alpha_measured": None if cell.alpha is None else round(cell.alpha, 4),
             "alpha_posterior": round(a / (a + b), 4) if mode != SpecMode.NONE.value else None,
+            "draft_rate": None if cell.draft_rate is None or mode == SpecMode.NONE.value else round(cell.draft_rate, 4),
             "step_ms": None if cell.step_s is None else round(cell.step_s * 1e3, 3),
             "cost_per_k": round(cost_per_k(view, mode, bucket, params), 4),
         })

@@ -75,18 +75,27 @@ def pool_views(config: ClusterConfig) -> list[PoolView]:
 
 def pool_load(
     own_inflight: dict[str, float], reports: dict[str, dict[str, tuple[float, float]]], now_s: float,
-    max_age_s: float = 2.0,
+    max_age_s: float = 2.0, finished: Optional[dict[str, dict[str, list[float]]]] = None,
 ) -> dict[str, float]:
     """Requests in flight per pool: this router's own count, or, when larger, the sum of the engine
-    replicas' own reports (`reports[pool][replica] = (monotonic time, unfinished requests)`, sampled
-    in the background) that are younger than `max_age_s` — which includes other routers' traffic.
+    replicas' own reports (`reports[pool][replica] = (monotonic time the poll was sent, unfinished
+    requests)`, sampled in the background) that are younger than `max_age_s` — which includes
+    other routers' traffic. A report is older than the request it is read for: the requests this
+    router saw finish on that replica since the report (`finished[pool][replica]`: monotonic
+    completion times) are taken off it, or a single stream would read its previous request as a
+    second one in the batch.
 
     >>> pool_load({"a": 1, "b": 0}, {"a": {"r1": (9.5, 3), "r2": (5.0, 7)}}, now_s=10.0)
     {'a': 3.0, 'b': 0.0}
+    >>> pool_load({"a": 0}, {"a": {"r1": (9.5, 1)}}, now_s=10.0, finished={"a": {"r1": [9.4, 9.8]}})
+    {'a': 0.0}
     """
+    finished = finished or {}
     out = {}
     for pool, own in own_inflight.items():
-        fresh = [n for t, n in reports.get(pool, {}).values() if now_s - t <= max_age_s]
+        done = finished.get(pool, {})
+        fresh = [max(n - sum(1 for f in done.get(replica, ()) if f > t), 0.0)
+                 for replica, (t, n) in reports.get(pool, {}).items() if now_s - t <= max_age_s]
         out[pool] = max(float(own), float(sum(fresh))) if fresh else float(own)
     return out
 

@@ -58,6 +58,8 @@ class Router:
         self._caps: dict[str, tuple[float, Optional[list[tuple[int, int]]]]] = {}  # pool -> (time, table)
         # Engine replicas' own load reports, sampled in the background (see _poll_load).
         self.engine_load: dict[str, dict[str, tuple[float, float]]] = {name: {} for name in config.pools}
+        # When this router's requests finished, per pool and replica (those newer than any report kept).
+        self.finished: dict[str, dict[str, list[float]]] = {name: {} for name in config.pools}
         self._load_poll: Optional[asyncio.Task] = None
         self.health_open = auth is None or config.auth.allow_unauthenticated_health
 
@@ -75,7 +77,7 @@ class Router:
     # -- the decision ----------------------------------------------------------------------------
 
     def _live_pools(self, model: str) -> list[PoolView]:
-        load = pool_load(self.inflight, self.engine_load, time.monotonic(), LOAD_REPORT_MAX_AGE_S)
+        load = pool_load(self.inflight, self.engine_load, time.monotonic(), LOAD_REPORT_MAX_AGE_S, self.finished)
         views = list(self.views.values())
         if self.autoscale is not None:  # the replicas the autoscaler decided, a starting scale-up included
             from cluster.autoscale import with_capacity
@@ -95,8 +97,9 @@ class Router:
         while True:
             for name, handle in self.engines.items():
                 try:
+                    sent = time.monotonic()  # the report is no older than this
                     rep = await asyncio.wait_for(handle.load.remote(), timeout=LOAD_POLL_TIMEOUT_S)
-                    self.engine_load[name][str(rep["replica"])] = (time.monotonic(), float(rep["unfinished"]))
+                    self.engine_load[name][str(rep["replica"])] = (sent, float(rep["unfinished"]))
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:  # noqa: BLE001 - a busy or dying replica: keep the router's own count
@@ -167,9 +170,11 @@ class Router:
         rid = ereq.request_id
         comp = Completion(request_id=rid, model=model)
         self.inflight[d.pool] += 1
+        replica = ""
         try:
             async for chunk in self._engine_chunks(d, ereq):
                 now = time.perf_counter()
+                replica = chunk.replica or replica
                 if not comp.token_ids and chunk.token_ids:
                     comp.ttft_s = now - t0
                 comp.text += chunk.text
@@ -194,6 +199,16 @@ class Router:
             raise self._map_error(e, rid, d) from e
         finally:
             self.inflight[d.pool] -= 1
+            if replica:
+                self._note_finished(d.pool, replica)
+
+    def _note_finished(self, pool: str, replica: str) -> None:
+        """Remember when a request left `replica` (see `pool_load`); forget what no report predates."""
+        now = time.monotonic()
+        done = self.finished[pool].setdefault(replica, [])
+        done.append(now)
+        if done[0] < now - LOAD_REPORT_MAX_AGE_S:
+            done[:] = [t for t in done if t >= now - LOAD_REPORT_MAX_AGE_S]
 
     async def _engine_chunks(self, d: Decision, ereq: EngineRequest) -> AsyncIterator[EngineChunk]:
         """The engine's chunks for one request, with every wait bounded: the first chunk within

@@ -237,3 +237,19 @@ def test_engine_load_reports_raise_the_load_the_policy_sees():
     old = router_mod.time.monotonic() - 2 * router_mod.LOAD_REPORT_MAX_AGE_S
     router.engine_load["ngram"]["r1"] = (old, 12.0)
     assert {v.name: v.running for v in router._live_pools("smollm2-135m")} == {"ngram": 0.0, "draft": 0.0}
+
+
+def test_a_report_taken_before_a_request_finished_does_not_count_it():
+    """One stream, requests back to back: the engine's last report (sampled up to a poll interval
+    before) still lists the previous request; the router takes off what it saw finish since, so
+    the next request meets batch 1, not 2 (the 17:08 bench put its one-stream traffic at 2-3)."""
+    from deployments import router as router_mod
+
+    router, _ = make_router(lambda: FakeCall([FINAL]))  # served by replica r2
+    router.engine_load["ngram"]["r2"] = (router_mod.time.monotonic(), 1.0)  # the request below, in flight
+    assert post(router, BODY).status_code == 200
+    live = {v.name: v for v in router._live_pools("smollm2-135m")}
+    assert live["ngram"].running == 0.0 and live["ngram"].load_batch == 0.0
+    # a report taken after the request finished is believed as it is
+    router.engine_load["ngram"]["r2"] = (router_mod.time.monotonic(), 3.0)
+    assert {v.name: v.running for v in router._live_pools("smollm2-135m")}["ngram"] == 3.0

@@ -292,6 +292,15 @@ def draft_rate(cell: CellStats, params: PolicyParams = DEFAULT_PARAMS) -> float:
     return (d + params.prior_draft_steps) / (n + params.prior_draft_steps)
 
 
+def class_model(view: Optional[TuningView], mode: str, workload_class: str, priors,
+                params: PolicyParams = DEFAULT_PARAMS) -> tuple[float, tuple[float, float], float]:
+    """(α posterior mean, its Beta (a, b), p) of `mode` for `workload_class`, from the class's cells
+    over every load bucket (α and p depend on the text and the drafter, not on the batch)."""
+    cell = view.class_cell(mode, workload_class) if view is not None else _ZERO
+    a, b = alpha_posterior(cell, prior_alpha(mode, workload_class, priors), params)
+    return a / (a + b), (a, b), draft_rate(cell, params)
+
+
 def cost_per_k(view: Optional[TuningView], mode: str, bucket: str, params: PolicyParams = DEFAULT_PARAMS) -> float:
     """c for `mode` at `bucket`: measured step time against plain decoding in the same bucket
     (all classes pooled), blended with the prior by step counts."""
@@ -382,9 +391,7 @@ def _pool_scores(view, mode, workload_class, bucket, max_k, step_rel, priors, pa
     hit = _SCORE_CACHE.get(key)
     if hit is not None and hit[0] is cells:
         return hit[1]
-    cell = view.class_cell(mode, workload_class) if view is not None else _ZERO
-    a, b = alpha_posterior(cell, prior_alpha(mode, workload_class, priors), params)
-    alpha, p = a / (a + b), draft_rate(cell, params)
+    alpha, (a, b), p = class_model(view, mode, workload_class, priors, params)
     cost = cost_per_k(view, mode, bucket, params)
     result = (alpha, (a, b), p, cost, {k: score(alpha, k, cost, step_rel, p) for k in range(max_k + 1)})
     if len(_SCORE_CACHE) >= _SCORE_CACHE_MAX:
@@ -510,13 +517,10 @@ def k_cap_table(
         return [(1, 0)]
     weights = class_weights(view, mode)
 
-    def class_model(c: str) -> tuple[float, float]:
-        """(α, p) of class c."""
-        cell = view.class_cell(mode, c) if view is not None else _ZERO
-        a, b = alpha_posterior(cell, prior_alpha(mode, c, priors), params)
-        return a / (a + b), draft_rate(cell, params)
-
-    models = {c: class_model(c) for c in weights}
+    models = {}  # class -> (α, p)
+    for c in weights:
+        alpha, _, p = class_model(view, mode, c, priors, params)
+        models[c] = (alpha, p)
     admitted = {}
     for c in weights:
         cost = cost_per_k(view, mode, "1", params)

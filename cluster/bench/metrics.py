@@ -9,7 +9,9 @@ Words (with those of `cluster.speculation`):
 - request tokens/s: sum of output tokens / sum of latencies (the decode speed one stream sees;
   for sequential requests it equals wall-clock throughput).
 - throughput (`throughput_tokens_per_s`): output tokens / wall span of the requests (first send to
-  last completion), for concurrent requests.
+  last completion), for concurrent requests. A load level run in rounds (one short phase per
+  configuration and round, configurations interleaved) pools its phases: summed tokens / summed
+  phase spans (`round_rates`, `pooled_rate`), never the span from the first round to the last.
 - goodput (`goodput_tokens_per_s`): output tokens of the requests meeting every given SLO
   (TTFT, TPOT, latency) / the same wall span; `request_goodput_tokens_per_s` divides by the
   summed latency instead (for one stream whose requests interleave with other configurations).
@@ -188,6 +190,54 @@ def repeat_spread(samples: list[Sample]) -> dict[str, float]:
     if not per_repeat:
         return {"repeats": 0, "min": math.nan, "median": math.nan}
     return {"repeats": len(per_repeat), "min": min(per_repeat), "median": statistics.median(per_repeat)}
+
+
+def round_rates(samples: list[Sample], slo: Slo = Slo(), wall: bool = True) -> list[dict[str, Any]]:
+    """One row per round (the samples' `repeat`), in round order: requests, output tokens, tokens
+    of the requests meeting `slo`, time and tokens/s. Time is the round's wall span (first send to
+    last completion: a closed-loop phase, `wall`) or its summed latency (one stream, interleaved)."""
+    rows = []
+    for r, group in sorted(group_by(samples, lambda s: s.repeat).items()):
+        ok = [s for s in group if s.ok]
+        if wall:
+            time_s = max(s.end_s for s in group) - min(s.start_s for s in group)
+        else:
+            time_s = sum(s.latency_s or 0.0 for s in ok)
+        tokens = sum(s.output_tokens for s in ok)
+        rows.append({"round": r, "requests": len(group), "output_tokens": tokens,
+                     "good_tokens": sum(s.output_tokens for s in ok if meets_slo(s, slo)), "time_s": time_s,
+                     "tokens_per_s": tokens / time_s if time_s > 0 else math.nan})
+    return rows
+
+
+def pooled_rate(rounds: list[dict[str, Any]], tokens_key: str = "output_tokens") -> float:
+    """Summed tokens over summed time of `round_rates` rows (each phase weighted by its length,
+    not the mean of the per-round rates)."""
+    time_s = sum(r["time_s"] for r in rounds)
+    return sum(r[tokens_key] for r in rounds) / time_s if time_s > 0 else math.nan
+
+
+def paired_ratios(rounds: list[dict[str, Any]], reference_rounds: list[dict[str, Any]]) -> list[float]:
+    """tokens/s of each round over the reference's tokens/s in the same round (rounds present in both
+    with a positive rate), in round order."""
+    ref = {r["round"]: r["tokens_per_s"] for r in reference_rounds}
+    out = []
+    for r in rounds:
+        a, b = r["tokens_per_s"], ref.get(r["round"])
+        if b is not None and not math.isnan(b) and b > 0 and not math.isnan(a):
+            out.append(a / b)
+    return out
+
+
+def ratio_spread(ratios: list[float], target: float) -> dict[str, Any]:
+    """min / median / max of per-round ratios, how many rounds fall below `target`, and whether the
+    target lies inside the spread (`within_noise`: some rounds meet it and some do not; None with
+    fewer than two rounds, where there is no spread to judge by)."""
+    if not ratios:
+        return {"n": 0, "min": math.nan, "median": math.nan, "max": math.nan, "below_target": 0, "within_noise": None}
+    below = sum(1 for x in ratios if x < target)
+    return {"n": len(ratios), "min": min(ratios), "median": statistics.median(ratios), "max": max(ratios),
+            "below_target": below, "within_noise": (0 < below < len(ratios)) if len(ratios) > 1 else None}
 
 
 def speedup(config_tokens_per_s: float, baseline_tokens_per_s: float) -> float:

@@ -6,6 +6,9 @@ or `auto` (no override: the adaptive router decides). The default list is discov
 `GET /v1/models` (`specserve.pools[*].modes` and `max_k`): none, every mode at every K, auto.
 Order is interleaved (each prompt runs every configuration back to back, rotated from prompt to
 prompt and repeat to repeat) so that drift on a noisy machine does not favour one configuration.
+The load sweep interleaves too, in rounds of short phases (`sweep_round_orders`): a phase-per-
+configuration sweep measured machine drift between phases (+21% for the same configuration
+between two runs), larger than the 3% the router's load target asks to resolve.
 """
 
 from __future__ import annotations
@@ -128,9 +131,29 @@ def rotated(items: list, shift: int) -> list:
     return items[shift:] + items[:shift]
 
 
-def sweep_requests(concurrency: int, n_prompts: int, min_per_stream: int = 2) -> int:
-    """Requests sent at one concurrency level: enough for every stream to run `min_per_stream`."""
-    return max(n_prompts, min_per_stream * concurrency)
+def sweep_requests(concurrency: int, n_prompts: int, min_per_stream: int = 2,
+                   per_phase: Optional[int] = None) -> int:
+    """Requests of one sweep phase (one configuration, one round) at one concurrency level:
+    `per_phase` (default: the number of prompts), but at least `min_per_stream` per stream."""
+    return max(per_phase or n_prompts, min_per_stream * concurrency)
+
+
+def sweep_round_orders(n_configs: int, rounds: int, shift: int = 0) -> list[list[int]]:
+    """Configuration indices of each round of one load level, in run order.
+
+    Round r runs the list rotated by `shift + r // 2`, reversed in odd rounds (ABC, CBA, BCA, ACB,
+    CAB, BAC for three): in every pair of rounds each configuration's two positions add up to
+    n_configs - 1, so a drift linear in time cancels pair by pair, and no configuration always
+    runs first or last. Three configurations over six rounds run all six orders. `shift` (the
+    level's index) starts each level with another configuration.
+    """
+    if n_configs <= 0:
+        return [[] for _ in range(max(rounds, 0))]
+    orders = []
+    for r in range(max(rounds, 0)):
+        order = rotated(list(range(n_configs)), shift + r // 2)
+        orders.append(order[::-1] if r % 2 else order)
+    return orders
 
 
 def aggregate_tokens_per_s(concurrency: int, single_tokens_per_s: float, saturation: float = 0.15) -> float:
@@ -155,6 +178,8 @@ class PlanShape:
     n_sweep_prompts: int
     poisson_duration_s: float = 0.0  # per sweep configuration; 0: no Poisson phase
     n_warmup_modes: int = 3
+    sweep_rounds: int = 1  # every sweep configuration runs once per round at each level
+    sweep_requests_per_phase: Optional[int] = None  # None: n_sweep_prompts (see sweep_requests)
 
 
 def estimate_s(shape: PlanShape, single_tokens_per_s: float, per_request_overhead_s: float = 0.25) -> dict[str, float]:
@@ -172,9 +197,9 @@ def estimate_s(shape: PlanShape, single_tokens_per_s: float, per_request_overhea
     for c in shape.concurrency_levels:
         if c <= 1:
             continue  # level 1 is the greedy comparison's data
-        n = sweep_requests(c, shape.n_sweep_prompts)
+        n = sweep_requests(c, shape.n_sweep_prompts, per_phase=shape.sweep_requests_per_phase)
         sweep += n * tok / aggregate_tokens_per_s(c, single_tokens_per_s) + per_request_overhead_s * math.ceil(n / c)
-    phases["sweep"] = shape.n_sweep_configs * sweep
+    phases["sweep"] = shape.n_sweep_configs * max(shape.sweep_rounds, 1) * sweep
     phases["poisson"] = shape.n_sweep_configs * (shape.poisson_duration_s + (one if shape.poisson_duration_s else 0))
     phases["total"] = sum(phases.values())
     return phases

@@ -99,3 +99,14 @@ def select(prompts: list[Prompt], per_task: int, seed: int = 0, tasks: Optional[
         rng = random.Random(f"{seed}:{task}")
         chosen.extend(rng.sample(group, min(per_task, len(group))))
     return chosen
+
+
+def interleave_tasks(prompts: list[Prompt]) -> list[Prompt]:
+    """The prompts in round-robin order over their tasks (first of each task, then second, ...),
+    task order and order within a task kept. `select` groups by task; the load phases send the
+    first n of a cycled list, and grouped, a phase of 18 would hold only the first two tasks."""
+    by_task: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_task.setdefault(p.task, []).append(p)
+    groups = list(by_task.values())
+    return [g[i] for i in range(max((len(g) for g in groups), default=0)) for g in groups if i < len(g)]

@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cluster.bench.metrics import (Sample, Slo, best_k_per_mode, check_lossless, distribution, first_divergence,
-                                   itl_s, logit_gap, meets_slo, percentile, repeat_spread, speedup, summarize,
-                                   tpot_s)
+                                   itl_s, logit_gap, meets_slo, paired_ratios, percentile, pooled_rate, ratio_spread,
+                                   repeat_spread, round_rates, speedup, summarize, tpot_s)
 
 
 def mk(config="c", ttft=0.5, lat=2.5, tokens=5, start=0.0, repeat=0, ok=True, spec=None, chunks=None, task="qa",
@@ -87,6 +87,38 @@ def test_repeat_spread_and_speedup():
     assert r == {"repeats": 3, "min": 5.0, "median": 6.0}
     assert speedup(6.0, 4.0) == 1.5 and math.isnan(speedup(6.0, 0.0))
     assert repeat_spread([])["repeats"] == 0
+
+
+def test_round_rates_and_pooled_rate():
+    # round 0: two requests over wall 0.0 .. 3.0 (10 tokens); round 1 ran later, 100.0 .. 102.0 (8 tokens)
+    ss = [mk(tokens=4, start=0.0, lat=2.0, repeat=0), mk(tokens=6, start=1.0, lat=2.0, repeat=0),
+          mk(tokens=8, start=100.0, lat=2.0, repeat=1), mk(ok=False, start=101.0, lat=0.5, tokens=0, repeat=1)]
+    rounds = round_rates(ss, Slo(ttft_s=0.1))
+    assert [r["round"] for r in rounds] == [0, 1] and [r["requests"] for r in rounds] == [2, 2]
+    assert [r["time_s"] for r in rounds] == [3.0, 2.0] and [r["output_tokens"] for r in rounds] == [10, 8]
+    assert [r["tokens_per_s"] for r in rounds] == pytest.approx([10 / 3, 4.0])
+    assert [r["good_tokens"] for r in rounds] == [0, 0]  # every TTFT 0.5 > 0.1
+    # pooled: 18 tokens / 5 s of phases (not / 102 s of wall, not the mean 3.67 of the two rates)
+    assert pooled_rate(rounds) == pytest.approx(3.6)
+    # one stream (wall=False): summed latency, 4 + 2 s
+    assert [r["time_s"] for r in round_rates(ss, wall=False)] == [4.0, 2.0]
+    assert math.isnan(pooled_rate([])) and round_rates([]) == []
+
+
+def test_paired_ratios_and_spread():
+    auto = [{"round": 0, "tokens_per_s": 30.0}, {"round": 1, "tokens_per_s": 36.0}, {"round": 2, "tokens_per_s": 40.0},
+            {"round": 3, "tokens_per_s": 10.0}]
+    ref = [{"round": 0, "tokens_per_s": 32.0}, {"round": 1, "tokens_per_s": 36.0}, {"round": 2, "tokens_per_s": 38.0},
+           {"round": 3, "tokens_per_s": 0.0}]  # round 3: no reference rate, left out
+    ratios = paired_ratios(auto, ref)
+    assert ratios == pytest.approx([0.9375, 1.0, 40 / 38])
+    sp = ratio_spread(ratios, 0.97)
+    assert sp["n"] == 3 and sp["min"] == pytest.approx(0.9375) and sp["median"] == 1.0
+    assert sp["max"] == pytest.approx(40 / 38) and sp["below_target"] == 1 and sp["within_noise"] is True
+    assert ratio_spread([0.98, 1.01], 0.97)["within_noise"] is False
+    assert ratio_spread([0.90, 0.95], 0.97) == {"n": 2, "min": 0.90, "median": pytest.approx(0.925), "max": 0.95,
+                                                "below_target": 2, "within_noise": False}
+    assert ratio_spread([0.9], 0.97)["within_noise"] is None and ratio_spread([], 0.97)["n"] == 0
 
 
 def test_best_k_per_mode():

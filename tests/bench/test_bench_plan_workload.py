@@ -6,8 +6,8 @@ from collections import Counter
 import pytest
 
 from cluster.bench import plan as P
-from cluster.bench.workload import (DEFAULT_PROMPTS_PATH, WorkloadError, load_prompts, parse_lines, select,
-                                    task_of)
+from cluster.bench.workload import (DEFAULT_PROMPTS_PATH, WorkloadError, interleave_tasks, load_prompts, parse_lines,
+                                    select, task_of)
 
 POOLS = [{"name": "ngram", "method": "ngram", "max_k": 6, "modes": ["ngram", "none"]},
          {"name": "draft", "method": "draft_model", "max_k": 4, "modes": ["draft_model"]}]
@@ -55,6 +55,24 @@ def test_interleaved_order_balances_positions():
     assert P.interleaved_order(2, 1, 2) == [(0, 0, 0), (0, 0, 1), (1, 0, 1), (1, 0, 0)]
 
 
+def test_sweep_round_orders_rotate_and_reverse():
+    assert P.sweep_round_orders(3, 3) == [[0, 1, 2], [2, 1, 0], [1, 2, 0]]  # ABC, CBA, BCA
+    # Three configurations over six rounds run all six orders, each first and last twice.
+    six = P.sweep_round_orders(3, 6)
+    assert sorted(map(tuple, six)) == sorted({(0, 1, 2), (0, 2, 1), (1, 0, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0)})
+    assert Counter(o[0] for o in six) == Counter(o[-1] for o in six) == {0: 2, 1: 2, 2: 2}
+    for n in (2, 3, 4, 5):
+        orders = P.sweep_round_orders(n, 2 * n)
+        assert all(sorted(o) == list(range(n)) for o in orders)
+        # In every pair of rounds each configuration's positions add up to n - 1: a linear drift cancels.
+        for a, b in zip(orders[::2], orders[1::2]):
+            assert {a.index(c) + b.index(c) for c in range(n)} == {n - 1}
+        assert Counter(o[0] for o in orders) == {c: 2 for c in range(n)}  # nobody always first
+    # The level's shift starts each level with another configuration.
+    assert P.sweep_round_orders(3, 2, shift=1) == [[1, 2, 0], [0, 2, 1]]
+    assert P.sweep_round_orders(3, 1) == [[0, 1, 2]] and P.sweep_round_orders(0, 2) == [[], []]
+
+
 def test_sweep_sizes_and_estimate():
     assert P.sweep_requests(1, 12) == 12 and P.sweep_requests(32, 12) == 64
     assert P.aggregate_tokens_per_s(1, 10.0) == 10.0
@@ -69,6 +87,12 @@ def test_sweep_sizes_and_estimate():
     assert est["poisson"] == pytest.approx(14.0)
     assert est["warmup"] == pytest.approx(3 * 4.0 + 2 * 0.8)
     assert est["total"] == pytest.approx(sum(v for k, v in est.items() if k != "total"))
+    # Per-phase size (at least 2 per stream) and rounds multiply the sweep only.
+    assert P.sweep_requests(4, 12, per_phase=30) == 30 and P.sweep_requests(32, 12, per_phase=30) == 64
+    from dataclasses import replace
+    est3 = P.estimate_s(replace(shape, sweep_rounds=3, sweep_requests_per_phase=16), 10.0, per_request_overhead_s=0.0)
+    assert est3["sweep"] == pytest.approx(3 * 16 * 40 / (10 * 4 / 1.45))
+    assert est3["compare_greedy"] == est["compare_greedy"] and est3["poisson"] == est["poisson"]
 
 
 def test_full_and_quick_presets_fit_their_budgets_at_12_tokens_per_s():
@@ -112,6 +136,21 @@ def test_select_is_seeded_per_task_and_filters():
     assert short and all(p.task == "summarization" and len(p.text) <= 2000 for p in short)
     assert {p.category for p in select(prompts, 3, tasks=["coding"])} == {"coding"}
     assert a[0].messages == [{"role": "user", "content": a[0].text}]
+
+
+def test_interleave_tasks_round_robin():
+    prompts = select(load_prompts(), 11, seed=1)  # grouped by task, as select returns them
+    mixed = interleave_tasks(prompts)
+    assert sorted(p.question_id for p in mixed) == sorted(p.question_id for p in prompts)
+    # Every window of 6 consecutive prompts holds all six tasks (grouped, the first 18 held two tasks).
+    assert all(len({p.task for p in mixed[i:i + 6]}) == 6 for i in range(0, 60))
+    assert len({p.task for p in prompts[:18]}) == 2 and Counter(p.task for p in mixed[:18]) == {
+        t: 3 for t in ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")}
+    # Order inside a task is kept; unequal groups run out one by one.
+    a = [x for x in mixed if x.task == "qa"]
+    assert a == [x for x in prompts if x.task == "qa"]
+    uneven = select(load_prompts(), 2, seed=0, tasks=["qa"]) + select(load_prompts(), 1, seed=0, tasks=["rag"])
+    assert [p.task for p in interleave_tasks(uneven)] == ["qa", "rag", "qa"] and interleave_tasks([]) == []
 
 
 def test_parse_lines_first_turn_and_errors():

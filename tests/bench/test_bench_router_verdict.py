@@ -61,3 +61,87 @@ def test_each_target_can_fail(kwargs, failing):
               + [t for t, r in v["by_task"].items() if not r["ok"]]
               + [c for c, r in v["load"].items() if not r["ok"]])
     assert failed == [failing]
+
+
+# -- rounds: pooled numbers and the per-round spread -------------------------------------------------
+
+
+def _rounds(*rates):
+    return [{"round": r, "tokens_per_s": x} for r, x in enumerate(rates)]
+
+
+def _lvl_rounds(pooled, rates):
+    return {"throughput_tokens_per_s": pooled, "request_tokens_per_s": None, "rounds": _rounds(*rates)}
+
+
+def load_summary(auto_rates, auto_pooled=35.0):
+    s = summary()
+    s["load"]["none"]["4"] = _lvl_rounds(34.0, (35.0, 33.0, 34.0))
+    # ngram:3 is faster than none in round 1, but none is the better by the pooled numbers
+    s["load"]["ngram:3"]["4"] = _lvl_rounds(33.0, (31.0, 36.0, 32.0))
+    s["load"]["auto"]["4"] = _lvl_rounds(auto_pooled, auto_rates)
+    return s
+
+
+def test_load_spread_pairs_auto_with_the_pooled_reference_round_by_round():
+    v = router_verdict(load_summary((34.0, 36.0, 35.0)))["load"]["4"]
+    assert v["reference"] == "none" and v["ratio"] == pytest.approx(35.0 / 34.0) and v["ok"]
+    # paired with none in every round, never with the faster of the round (which would bias it down)
+    assert v["round_ratios"] == pytest.approx([34 / 35, 36 / 33, 35 / 34])
+    assert v["round_ratio"]["min"] == pytest.approx(34 / 35) and v["round_ratio"]["median"] == pytest.approx(35 / 34)
+    assert v["round_ratio"]["below_target"] == 0 and v["round_ratio"]["within_noise"] is False
+
+
+def test_a_pooled_pass_inside_the_noise_is_flagged():
+    # pooled 0.995 passes, but round 0 reads 31 / 35 = 0.886 (rounds 1, 2: 36 / 33, 38 / 34): they straddle 0.97
+    v = router_verdict(load_summary((31.0, 36.0, 38.0), auto_pooled=33.83))
+    lvl = v["load"]["4"]
+    assert lvl["ok"] and lvl["round_ratio"]["below_target"] == 1 and lvl["round_ratio"]["within_noise"] is True
+    assert v["within_noise"] == ["load:4"] and v["all_ok"]  # the verdict stays the pooled one
+    text = "\n".join(_router_lines(v))
+    assert "| 4 | 33.83 | 34.00 | ngram:3 | 33.00 | 0.995 | 0.886 / 1.091 / 1.118 | 1 of 3 | yes (within the noise) |" in text
+    assert "All router targets met: yes. Within the run's noise: load:4." in text
+
+
+def test_a_fail_in_every_round_is_not_noise_and_old_summaries_have_no_spread():
+    v = router_verdict(load_summary((30.0, 31.0, 30.0), auto_pooled=30.3))
+    assert not v["load"]["4"]["ok"] and v["load"]["4"]["round_ratio"]["below_target"] == 3
+    assert v["load"]["4"]["round_ratio"]["within_noise"] is False and v["within_noise"] == []
+    old = router_verdict(summary())  # a summary written before rounds: no `rounds` anywhere
+    assert old["load"]["16"]["round_ratios"] == [] and old["load"]["16"]["round_ratio"]["n"] == 0
+    assert "| 16 | 48.00 | 48.82 | ngram:3 | 45.17 | 0.983 | - | - | yes |" in "\n".join(_router_lines(old))
+
+
+def test_one_stream_spread_over_repeats():
+    s = summary()
+    s["comparison"]["0"]["auto"]["rounds"] = _rounds(12.5, 11.0)
+    s["comparison"]["0"]["ngram:3"]["rounds"] = _rounds(11.8, 11.4)
+    one = router_verdict(s)["one_stream"]
+    assert one["round_ratios"] == pytest.approx([12.5 / 11.8, 11.0 / 11.4]) and one["round_ratio"]["within_noise"]
+    assert "Per repeat: 0.965 / 1.012 / 1.059 over 2 repeats, 1 below 1, so within the noise." in "\n".join(
+        _router_lines(router_verdict(s)))
+
+
+def test_build_summary_pools_sweep_rounds_not_the_wall_span():
+    from cluster.bench.metrics import Sample
+    from cluster.bench.report import build_summary, render_markdown
+
+    def sweep(cfg, r, start, lat, tokens=12):
+        return Sample(phase="sweep", config=cfg, prompt_id="p", category="qa", task="qa", temperature=0.0,
+                      concurrency=4, repeat=r, start_s=start, end_s=start + lat, ttft_s=0.1, latency_s=lat,
+                      token_ids=list(range(tokens)))
+
+    # Round 0 order none, auto; round 1 auto, none. Each phase: two requests side by side.
+    samples = [sweep("none", 0, 0.0, 2.0), sweep("none", 0, 0.0, 2.0), sweep("auto", 0, 2.0, 1.5),
+               sweep("auto", 0, 2.0, 1.5), sweep("auto", 1, 10.0, 2.0), sweep("auto", 1, 10.0, 2.0),
+               sweep("none", 1, 12.0, 3.0), sweep("none", 1, 12.0, 3.0)]
+    s = build_summary(samples)
+    none, auto = s["load"]["none"]["4"], s["load"]["auto"]["4"]
+    assert s["sweep_order"] == {"4": [["none", "auto"], ["auto", "none"]]}
+    assert none["span_s"] == pytest.approx(5.0) and none["throughput_tokens_per_s"] == pytest.approx(48 / 5.0)
+    assert auto["span_s"] == pytest.approx(3.5) and auto["throughput_tokens_per_s"] == pytest.approx(48 / 3.5)
+    assert [r["tokens_per_s"] for r in none["rounds"]] == pytest.approx([12.0, 8.0])
+    assert none["goodput_tokens_per_s"] == pytest.approx(48 / 5.0) and none["requests"] == 4
+    v = s["router"]["load"]["4"]
+    assert v["ratio"] == pytest.approx(5.0 / 3.5) and v["round_ratios"] == pytest.approx([16 / 12, 12 / 8])
+    assert "Phase order per round: 4 streams: [none, auto] [auto, none]" in render_markdown(s, {})

@@ -8,7 +8,9 @@ public HTTP API only, and writes `results/<YYYYmmdd-HHMMSS>-<git rev>/`. Exit co
 Phases: 1. plan and estimate; 2. warm-up (excluded): the no-speculation greedy reference with
 top-2 logprobs, every prompt primed in every mode's pool, one request per configuration;
 3. greedy comparison at one stream, interleaved, repeated; 4. sampled comparison; 5. closed-loop
-concurrency sweep; 6. open-loop Poisson arrivals; 7. report.
+concurrency sweep, in rounds: at each level every sweep configuration runs one short phase per
+round, in an order rotated and reversed from round to round (`plan.sweep_round_orders`), and the
+report pools each configuration's rounds; 6. open-loop Poisson arrivals; 7. report.
 """
 
 from __future__ import annotations
@@ -25,18 +27,19 @@ from cluster.bench import plan as P
 from cluster.bench.metrics import Sample, Slo, best_k_per_mode, group_by, repeat_spread
 from cluster.bench.report import build_summary, git_short_rev, render_markdown, results_dir, write_results
 from cluster.bench.runner import Job, Runner
-from cluster.bench.workload import DEFAULT_PROMPTS_PATH, load_prompts, select
+from cluster.bench.workload import DEFAULT_PROMPTS_PATH, interleave_tasks, load_prompts, select
 from cluster.client import DEFAULT_URL, AsyncSpecServeClient, ClientError, SpecServeClient
 
 # Presets: --quick finishes in a few minutes on 2 CPU cores (SmolLM2-135M, ~10-20 tok/s one stream);
-# the full defaults are sized by `plan.estimate_s` to stay under 45 minutes there.
+# the full defaults are sized by `plan.estimate_s` to stay under 65 minutes there (at 12 tok/s: 27 of
+# them the load sweep in three rounds; one pass could not resolve the router's 3% load target).
 PRESETS = {
     "quick": dict(prompts_per_task=2, max_tokens=48, repeats=1, temperatures="0", sampled_repeats=1,
                   sampled_configs="none,best,auto", concurrency="1,4", sweep_configs="none,best,auto",
-                  rate=0.0, duration_s=30.0, max_requests=30),
+                  sweep_rounds=2, rate=0.0, duration_s=30.0, max_requests=30),
     "full": dict(prompts_per_task=2, max_tokens=48, repeats=2, temperatures="0,0.7", sampled_repeats=1,
                  sampled_configs="none,best,auto", concurrency="1,2,4,8,16,32", sweep_configs="none,best,auto",
-                 rate=1.0, duration_s=45.0, max_requests=60),
+                 sweep_rounds=3, rate=1.0, duration_s=45.0, max_requests=60),
 }
 
 
@@ -64,6 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "'all' = the greedy list (default none,best,auto).")
     a("--concurrency", default=None, help="Closed-loop stream counts (quick '1,4', full '1,2,4,8,16,32').")
     a("--sweep-configs", default=None, help="Configurations of the load phases (default none,best,auto).")
+    a("--sweep-rounds", type=int, default=None,
+      help="Rounds per load level: each round runs every sweep configuration for one phase, the order "
+           "rotated and reversed from round to round; the report pools the rounds and shows the per-round "
+           "spread of auto's ratio (quick 2, full 3).")
+    a("--sweep-requests", type=int, default=None,
+      help="Requests per phase (one configuration, one round) at each load level, at least 2 per stream "
+           "(default: the number of prompts, so max(prompts, 2 x streams)).")
     a("--rate", type=float, default=None, help="Open-loop Poisson arrival rate, requests/s (0: no open loop).")
     a("--duration-s", type=float, default=None, help="Open loop: stop sending after this many seconds.")
     a("--max-requests", type=int, default=None, help="Open loop: stop sending after this many requests.")
@@ -147,6 +157,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         temperatures = _floats(args.temperatures, "--temperatures")
         levels = _ints(args.concurrency, "--concurrency")
+        if args.sweep_rounds < 1:
+            raise ValueError(f"--sweep-rounds: expected a positive integer, got {args.sweep_rounds}")
+        if args.sweep_requests is not None and args.sweep_requests < 1:
+            raise ValueError(f"--sweep-requests: expected a positive integer, got {args.sweep_requests}")
         prompts_all = load_prompts(args.prompts)
         tasks = [t.strip() for t in args.tasks.split(",")] if args.tasks else None
         prompts = select(prompts_all, args.prompts_per_task, args.seed, tasks, args.max_prompt_chars)
@@ -182,9 +196,12 @@ def run(args: argparse.Namespace) -> int:
     # 1. Plan and estimate.
     sampled_temps = [t for t in temperatures if t > 0]
     n_tasks = len({p.task for p in prompts})
-    need = max([P.sweep_requests(c, len(prompts)) for c in levels if c > 1] + [args.max_requests if args.rate else 0, 0])
-    sweep_prompts = select(prompts_all, max(1, math.ceil(need / max(n_tasks, 1))), args.seed + 1, tasks,
-                           args.max_prompt_chars) if need else []
+    # The sweep's prompts: fresh ones for every round where the file has enough, tasks round-robin so
+    # that every phase (the next n of the cycled list) holds every task.
+    need = max([P.sweep_requests(c, len(prompts), per_phase=args.sweep_requests) * args.sweep_rounds
+                for c in levels if c > 1] + [args.max_requests if args.rate else 0, 0])
+    sweep_prompts = interleave_tasks(select(prompts_all, max(1, math.ceil(need / max(n_tasks, 1))), args.seed + 1,
+                                            tasks, args.max_prompt_chars)) if need else []
     shape = P.PlanShape(
         n_compare_configs=len(configs), n_prompts=len(prompts), max_tokens=args.max_tokens,
         greedy_repeats=args.repeats if 0 in temperatures else 0, sampled_temperatures=len(sampled_temps),
@@ -192,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
         concurrency_levels=tuple(levels), n_sweep_prompts=len(prompts),
         poisson_duration_s=args.duration_s if args.rate else 0.0,
         n_warmup_modes=len({c.mode for c in configs if c.mode not in (None, P.NONE)}),
+        sweep_rounds=args.sweep_rounds, sweep_requests_per_phase=args.sweep_requests,
     )
     shape_sampled = _count_best(args.sampled_configs, configs)
     est = P.estimate_s(shape, args.assumed_tokens_per_s)
@@ -199,7 +217,9 @@ def run(args: argparse.Namespace) -> int:
     est["total"] = sum(v for k, v in est.items() if k != "total")
     _log(f"bench: model {model.id} at {args.url}; {len(prompts)} prompts in {n_tasks} tasks, max_tokens "
          f"{args.max_tokens}; configs: {', '.join(c.name for c in configs)}; temperatures {temperatures}; "
-         f"streams {levels}; sweep {args.sweep_configs}; open loop {args.rate or 'off'} req/s")
+         f"streams {levels}; sweep {args.sweep_configs} in {args.sweep_rounds} rounds of "
+         f"{', '.join(str(P.sweep_requests(c, len(prompts), per_phase=args.sweep_requests)) for c in levels if c > 1)}"
+         f" requests per phase; open loop {args.rate or 'off'} req/s")
     _print_estimate(f"bench: estimate at {args.assumed_tokens_per_s:g} tok/s one stream", est)
     if args.dry_run:
         return 0
@@ -285,15 +305,18 @@ async def _phases(args, model: str, configs: list[P.BenchConfig], prompts, sweep
         for temp in (t for t in temperatures if t > 0):
             await compare(sampled_cfgs, temp, args.sampled_repeats)
 
-        # 5. Closed-loop sweep; configuration order rotated per level; prompts made cold by a nonce.
+        # 5. Closed-loop sweep in rounds: every configuration one phase per round, the order rotated and
+        # reversed from round to round (and shifted per level); within a round all configurations get the
+        # same prompts, each round the next ones; `repeat` carries the round; prompts made cold by a nonce.
         sweep_cfgs = _expand(args.sweep_configs, configs, best, max_k)
         for li, c in enumerate(l for l in levels if l > 1):
-            n = P.sweep_requests(c, len(prompts))
-            for cfg in P.rotated(sweep_cfgs, li):
-                bar.total += n
-                jobs = [Job("sweep", cfg, sweep_prompts[i % len(sweep_prompts)], concurrency=c,
-                            nonce=f"s{c}-{cfg.name}-{i}") for i in range(n)]
-                await runner.run_closed_loop(jobs, c)
+            n = P.sweep_requests(c, len(prompts), per_phase=args.sweep_requests)
+            for r, order in enumerate(P.sweep_round_orders(len(sweep_cfgs), args.sweep_rounds, shift=li)):
+                for cfg in (sweep_cfgs[i] for i in order):
+                    bar.total += n
+                    jobs = [Job("sweep", cfg, sweep_prompts[(r * n + i) % len(sweep_prompts)], concurrency=c,
+                                repeat=r, nonce=f"s{c}-r{r}-{cfg.name}-{i}") for i in range(n)]
+                    await runner.run_closed_loop(jobs, c)
 
         # 6. Open loop, Poisson arrivals, bounded in time and count.
         if args.rate and args.rate > 0:

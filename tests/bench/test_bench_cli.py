@@ -41,7 +41,18 @@ def test_quick_run_writes_results_and_flags_a_large_gap(tmp_path, capsys):
     # none, best (each mode's fastest K: here the only K of each mode), auto
     assert sampled == {"none", "ngram:3", "draft_model:2", "auto"}
     sweep = [s for s in samples if s.phase == "sweep"]
-    assert {s.concurrency for s in sweep} == {3} and len(sweep) == 4 * 6  # 4 configs x max(3 prompts, 2 x 3)
+    # quick: 2 rounds x 4 configs x max(3 prompts, 2 x 3) requests per phase
+    assert {s.concurrency for s in sweep} == {3} and len(sweep) == 2 * 4 * 6
+    assert {(s.repeat, s.config): sum(1 for x in sweep if (x.repeat, x.config) == (s.repeat, s.config))
+            for s in sweep} == {(r, c): 6 for r in (0, 1) for c in ("none", "ngram:3", "draft_model:2", "auto")}
+    # Round 1 runs round 0's order reversed; phases of one round do not overlap.
+    order = [[c for c, _ in sorted({s.config: min(x.start_s for x in sweep if (x.repeat, x.config) == (r, s.config))
+                                    for s in sweep if s.repeat == r}.items(), key=lambda kv: kv[1])] for r in (0, 1)]
+    assert order[1] == order[0][::-1]
+    # Within a round every configuration got the same prompts; the second round the next ones.
+    prompts_of = lambda r, c: [s.prompt_id for s in sorted(sweep, key=lambda s: s.start_s)  # noqa: E731
+                               if (s.repeat, s.config) == (r, c)]
+    assert sorted(prompts_of(0, "none")) == sorted(prompts_of(0, "auto"))
     poisson = [s for s in samples if s.phase == "poisson"]
     assert 4 <= len(poisson) <= 16 and {s.rate_rps for s in poisson} == {20.0}
 
@@ -65,10 +76,19 @@ def test_quick_run_writes_results_and_flags_a_large_gap(tmp_path, capsys):
     assert set(greedy["none"]["by_task"]) == {"qa", "translation", "mt_bench"}
     assert set(summary["load"]) == {"none", "ngram:3", "draft_model:2", "auto"}
     assert set(summary["load"]["none"]) == {"1", "3"} and summary["poisson"]["auto"]["good_requests"] >= 1
+    assert summary["sweep_order"] == {"3": order}
+    lvl = summary["load"]["none"]["3"]
+    assert [r["round"] for r in lvl["rounds"]] == [0, 1] and lvl["requests"] == 12
+    # pooled over the two phases, not over the wall span from the first round to the last
+    assert lvl["span_s"] == pytest.approx(sum(r["time_s"] for r in lvl["rounds"]))
+    assert lvl["throughput_tokens_per_s"] == pytest.approx(lvl["output_tokens"] / lvl["span_s"])
+    assert len(summary["router"]["load"]["3"]["round_ratios"]) == 2
 
     report = (folder / "report.md").read_text()
     assert "## Losslessness" in report and "large-gap" in report and "near-tie" in report
     assert "## Load" in report and "## Open loop" in report
+    assert "Phase order per round: 3 streams: [" + ", ".join(order[0]) + "] [" in report
+    assert "per round min / median / max" in report
     assert "| ngram:3 |" in capsys.readouterr().out
 
 
@@ -97,6 +117,12 @@ def test_dry_run_and_argument_errors(tmp_path, capsys):
         assert not list(tmp_path.iterdir()) and not fake.requests
         assert run_cli(["--url", fake.url, "--dry-run", "--configs", "ngram:9"]) == 2
         assert run_cli(["--url", fake.url, "--dry-run", "--concurrency", "0"]) == 2
+        assert run_cli(["--url", fake.url, "--dry-run", "--sweep-rounds", "0"]) == 2
+        assert run_cli(["--url", fake.url, "--dry-run", "--sweep-requests", "0"]) == 2
+        capsys.readouterr()
+        assert run_cli(["--url", fake.url, "--dry-run", "--prompts-per-task", "3", "--concurrency", "1,4,16,32",
+                        "--sweep-rounds", "4", "--sweep-requests", "24"]) == 0
+        assert "in 4 rounds of 24, 32, 64 requests per phase" in capsys.readouterr().err
         assert run_cli(["--url", fake.url, "--dry-run", "--model", "other"]) == 2
     with FakeServer(pools=[]) as fake:  # a server that does not list its pools
         assert run_cli(["--url", fake.url, "--dry-run"]) == 2

@@ -98,7 +98,8 @@ def test_sweep_sizes_and_estimate():
 def test_full_and_quick_presets_fit_their_budgets_at_12_tokens_per_s():
     from cluster.bench.cli import PRESETS
 
-    for name, budget_s, configs in (("quick", 6 * 60, P.quick_configs(POOLS)), ("full", 45 * 60, P.discover_configs(POOLS))):
+    # quick: a few minutes; full: about an hour, 27 min of it the sweep's three rounds
+    for name, budget_s, configs in (("quick", 7 * 60, P.quick_configs(POOLS)), ("full", 65 * 60, P.discover_configs(POOLS))):
         pre = PRESETS[name]
         levels = tuple(int(x) for x in pre["concurrency"].split(","))
         n_modes = 2
@@ -107,7 +108,8 @@ def test_full_and_quick_presets_fit_their_budgets_at_12_tokens_per_s():
                             sampled_temperatures=len([t for t in pre["temperatures"].split(",") if float(t) > 0]),
                             sampled_repeats=pre["sampled_repeats"], n_sweep_configs=2 + n_modes,
                             concurrency_levels=levels, n_sweep_prompts=6 * pre["prompts_per_task"],
-                            poisson_duration_s=pre["duration_s"] if pre["rate"] else 0.0, n_warmup_modes=n_modes)
+                            poisson_duration_s=pre["duration_s"] if pre["rate"] else 0.0, n_warmup_modes=n_modes,
+                            sweep_rounds=pre["sweep_rounds"])
         est = P.estimate_s(shape, 12.0)
         # sampled runs use none, best (one per mode), auto
         total = est["total"] - est["compare_sampled"] * (1 - (2 + n_modes) / len(configs))

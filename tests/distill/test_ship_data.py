@@ -103,3 +103,68 @@ def test_batched_left_padded_generation_equals_one_by_one(target):
     assert batched == single
     sampled = data.generate(target, prompts, 6, 1.0, torch.Generator().manual_seed(3), eos_id=2, pad_id=0)
     assert sampled == data.generate(target, prompts, 6, 1.0, torch.Generator().manual_seed(3), eos_id=2, pad_id=0)
+
+
+def test_batched_features_equal_one_by_one(target):
+    seqs = [torch.tensor([5, 6, 7, 8, 9, 10, 11]), torch.tensor([12, 13]), torch.tensor([14, 15, 16, 17])]
+    batched = data.features_batched(target, seqs, batch_size=2)
+    for s, f in zip(seqs, batched):
+        assert f.shape == (len(s), target.config.hidden_size)
+        assert torch.allclose(f, data.features(target, s), atol=1e-5)
+
+
+def test_corpora_one_call_for_every_spec_and_engine_in_the_key(target, tmp_path, monkeypatch):
+    """engine vllm: every missing continuation of every spec goes to ONE generation call (one engine
+    start), in spec then prompt order, each sampled job with its own seed; cached shards are not asked
+    again; the engine is part of the cache key (the transformers corpus is a different one)."""
+    from cluster.distill import vllm_gen
+
+    calls = []
+
+    def fake_generate(model_path, jobs, max_model_len, log_fn=print):
+        calls.append(jobs)
+        return [[7, 8, 2][: 1 + j["max_new_tokens"] % 3] for j in jobs]
+
+    monkeypatch.setattr(vllm_gen, "generate_vllm", fake_generate)
+    tok = CharTokenizer()
+    specs = [data.CorpusSpec(("ab", "cde", "f"), 2, 0.0, 0), data.CorpusSpec(("gh",), 4, 0.8, 5)]
+    kw = dict(engine="vllm", model_path="/m", shard_size=2, log_fn=lambda m: None)
+    a, b = data.corpora(target, tok, specs, tmp_path, **kw)
+    assert len(calls) == 1 and [j["prompt_ids"] for j in calls[0]] == [data.chat_ids(tok, p) for p in ("ab", "cde", "f", "gh")]
+    assert [j["temperature"] for j in calls[0]] == [0.0, 0.0, 0.0, 0.8]
+    assert len({j["seed"] for j in calls[0]}) == 4
+    assert [s["ids"][s["prompt_len"]:].tolist() for s in a] == [[7, 8, 2]] * 3 and len(b) == 1
+    assert a[1]["feats"].shape == (len(a[1]["ids"]), target.config.hidden_size)
+    again = data.corpora(target, tok, specs, tmp_path, **kw)  # all cached: no call
+    assert len(calls) == 1 and all(torch.equal(x["ids"], y["ids"]) for x, y in zip(again[0], a))
+    data.corpus(target, tok, ["ab"], tmp_path, max_new_tokens=2, temperature=0.0, seed=0, log_fn=lambda m: None)
+    assert len(list(tmp_path.glob("corpus-*"))) == 3  # the transformers corpus is its own
+    with pytest.raises(ValueError, match="model_path"):
+        data.corpora(target, tok, specs, tmp_path, engine="vllm")
+    with pytest.raises(ValueError, match="engine"):
+        data.corpora(target, tok, specs, tmp_path, engine="tgi")
+
+
+def test_cap_prompts_drops_long_ones():
+    tok = CharTokenizer()
+    assert data.cap_prompts(tok, ["abc", "abcdefgh", "a"], 5) == (["abc", "a"], 1)
+    assert data.cap_prompts(tok, ["abcdefgh"], None) == (["abcdefgh"], 0)
+
+
+def test_vllm_sampling_kwargs():
+    from cluster.distill.vllm_gen import sampling_kwargs
+
+    greedy = sampling_kwargs({"max_new_tokens": 9, "temperature": 0.0, "seed": 3})
+    assert greedy["max_tokens"] == 9 and greedy["temperature"] == 0.0 and "seed" not in greedy
+    sampled = sampling_kwargs({"max_new_tokens": 9, "temperature": 0.8, "seed": 3})
+    assert sampled["seed"] == 3 and sampled["temperature"] == 0.8 and not sampled["ignore_eos"]
+
+
+def test_training_budget():
+    from cluster.distill.cli import training_budget
+
+    assert training_budget(None, None, 50, 300) is None
+    assert training_budget(100, None, 50, 300) == 100
+    assert training_budget(None, 3600, 600, 300) == 2700
+    assert training_budget(1000, 3600, 600, 300) == 1000
+    assert training_budget(None, 100, 200, 300) == 0.0

@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     target, tok, target_path = _load_target(args.target)
     # 2. prompts and the target's own continuations (cached; one generation call for all of them)
     train_p, held = data.split_prompts(data.load_specbench(), args.eval_per_task, args.seed)
+    print(f"data: held-out prompts -> {data.write_heldout(out / 'heldout.jsonl', held)}")
     train_p = train_p[: args.train_prompts] + data.synthetic_instructions(args.synthetic, args.seed)
     train_p, dropped = data.cap_prompts(tok, train_p, args.max_prompt_tokens or None)
     if dropped:

@@ -89,6 +89,16 @@ def split_prompts(records: list[dict], n_eval_per_task: int, seed: int) -> tuple
                    for i in held]
 
 
+def write_heldout(path: Path, held: list[HeldOut]) -> Path:
+    """The held-out prompts as a Spec-Bench-format JSONL (`specserve bench --prompts` reads it), so a
+    speed run can use exactly the prompts the drafter never trained on."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"question_id": f"heldout-{i}", "category": h.category, "turns": [h.text]}) + "\n"
+                            for i, h in enumerate(held)))
+    return path
+
+
 def synthetic_instructions(n: int, seed: int) -> list[str]:
     gen = torch.Generator().manual_seed(seed)
     out = []

@@ -48,10 +48,13 @@ class TrainConfig:
     sub_vocab: bool = True  # loss over the training samples' tokens only (else all V)
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, cfg: TrainConfig, time_frac: float = 0.0) -> float:
+    """Warmup, then cosine to min_lr_ratio. The cosine's progress is the further of the steps done
+    and `time_frac` (the share of the time budget spent), so a run that the budget stops early still
+    ends annealed, whatever a step costs for this drafter form."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
-    p = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    p = min(1.0, max((step - cfg.warmup) / max(1, cfg.steps - cfg.warmup), time_frac))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
@@ -220,8 +223,10 @@ def train(
         idx = torch.randint(len(samples), (cfg.batch_seqs,), generator=gen).tolist()
         batch = collate([samples[i] for i in idx], cfg.max_len)
         # 2. loss, gradient, clipped update at this step's learning rate
+        time_frac = elapsed / cfg.time_budget_s if cfg.time_budget_s else 0.0
+        lr = lr_at(step, cfg, time_frac)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
+            g["lr"] = lr
         loss, stats = batch_loss(cfg, drafter, target, batch, vocab)
         if not stats["tokens"] or not torch.is_tensor(loss):  # nothing supervised in this draw
             step += 1
@@ -240,7 +245,7 @@ def train(
             if cfg.time_budget_s is not None:
                 eta = min(eta, max(0.0, cfg.time_budget_s - el))
             log_fn(f"step {step}/{cfg.steps} loss {float(loss.detach()):.4f} kl {stats['kl']:.4f} ce {stats['ce']:.4f} "
-                   f"gnorm {float(gnorm):.2f} lr {lr_at(step - 1, cfg):.2e} tok/s {tokens / max(el, 1e-9):.0f} "
+                   f"gnorm {float(gnorm):.2f} lr {lr:.2e} tok/s {tokens / max(el, 1e-9):.0f} "
                    f"elapsed {el:.0f}s eta {eta:.0f}s")
         if step % cfg.ckpt_every == 0:
             save_checkpoint(out_dir, cfg, drafter, opt, step, gen, cfg.keep_ckpts)

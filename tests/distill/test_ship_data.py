@@ -168,3 +168,14 @@ def test_training_budget():
     assert training_budget(None, 3600, 600, 300) == 2700
     assert training_budget(1000, 3600, 600, 300) == 1000
     assert training_budget(None, 100, 200, 300) == 0.0
+
+
+def test_heldout_jsonl_is_what_the_bench_reads(tmp_path):
+    from cluster.bench.workload import load_prompts
+
+    _, held = data.split_prompts(data.load_specbench(), 2, seed=0)
+    path = data.write_heldout(tmp_path / "h.jsonl", held)
+    lines = path.read_text().splitlines()
+    assert len(lines) == len(held) == 12
+    back = load_prompts(path)
+    assert [(p.text, p.category, p.task) for p in back] == [(h.text, h.category, h.task) for h in held]

@@ -96,6 +96,9 @@ def test_lr_schedule_warms_up_then_decays():
     cfg = TrainConfig(steps=100, warmup=10, lr=1.0, min_lr_ratio=0.1)
     assert lr_at(0, cfg) < lr_at(9, cfg) == 1.0
     assert abs(lr_at(100, cfg) - 0.1) < 1e-9 and lr_at(50, cfg) < 1.0
+    # a time budget half spent at a tenth of the steps: the schedule follows the time
+    assert abs(lr_at(19, cfg, time_frac=0.5) - lr_at(55, cfg)) < 1e-9
+    assert abs(lr_at(19, cfg, time_frac=1.0) - 0.1) < 1e-9 and lr_at(5, cfg, time_frac=0.9) == lr_at(5, cfg)
 
 
 @pytest.mark.parametrize("sub_vocab", [False, True])

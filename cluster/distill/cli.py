@@ -50,6 +50,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-seqs", type=int, default=4)
     p.add_argument("--max-len", type=int, default=384)
     p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--context", type=int, default=64, help="prompt tokens kept before each continuation")
+    p.add_argument("--supervise-prompt", action="store_true",
+                   help="also distil on the kept prompt positions (their features exist already)")
+    p.add_argument("--feat-noise", type=float, default=0.0,
+                   help="eagle: uniform noise on the input features, times their RMS (EAGLE's data noise)")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--val-seqs", type=int, default=0,
+                   help="training sequences held back and scored (acceptance at K=3) every --val-every steps")
+    p.add_argument("--val-every", type=int, default=100)
     p.add_argument("--ship", default=None, help="also write the repository copy (own tensors, fp16) here")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
@@ -146,8 +155,22 @@ def run(args: argparse.Namespace) -> int:
         cfg = TrainConfig(kind=args.kind, steps=args.steps, time_budget_s=budget,
                           lr=args.lr or 2e-4, unroll=args.unroll,
                           batch_seqs=args.batch_seqs, max_len=args.max_len, ckpt_every=args.ckpt_every,
-                          seed=args.seed, sub_vocab=not args.full_vocab)
-        train(cfg, drafter, target, train_set, out, resume=args.resume, eos_id=tok.eos_token_id)
+                          seed=args.seed, sub_vocab=not args.full_vocab, context=args.context,
+                          supervise_prompt=args.supervise_prompt, feat_noise=args.feat_noise,
+                          weight_decay=args.weight_decay, val_every=args.val_every if args.val_seqs else 0)
+        validate = None
+        if args.val_seqs:
+            # every len/val_seqs-th sequence of the greedy training corpus: spread over its prompts
+            stride = max(1, len(sets[1]) // args.val_seqs)
+            val = [s for i, s in enumerate(sets[1]) if i % stride == 0][: args.val_seqs]
+            ids = {id(s) for s in val}
+            train_set = [s for s in train_set if id(s) not in ids]
+
+            def validate() -> str:
+                r = evaluate(args.kind, drafter, target, val, 3)
+                return f"acceptance length K3={r['acceptance_length'][3]:.3f} alpha {r['alpha']} ({len(val)} seqs)"
+            print(f"data: {len(val)} training sequences held back for validation")
+        train(cfg, drafter, target, train_set, out, resume=args.resume, eos_id=tok.eos_token_id, validate=validate)
         # 5. artefacts
         write_artefact(args.kind, drafter, target, tok, artefact)
         print(f"artefact: {artefact}")

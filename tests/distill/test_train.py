@@ -134,3 +134,32 @@ def test_time_budget_stops_and_checkpoints(target, tmp_path):
     assert train(cfg, d, target, make_samples(target), tmp_path, log_fn=lines.append) == 0
     assert lines[0].startswith("train: sub-vocabulary of ")  # the default
     assert "time budget" in lines[1] and _ckpts(tmp_path)
+
+
+def test_collate_can_supervise_the_kept_prompt(target):
+    s = make_samples(target, n=1, T=40, prompt_len=30)[0]
+    b = collate([s], max_len=16, context=4, supervise_prompt=True)
+    assert b["sup"][0].tolist() == [True] * 15 + [False]  # every kept position but the last
+    b = collate([s], max_len=64, context=4, supervise_prompt=True)
+    assert int(b["sup"].sum()) == 39
+
+
+def test_feature_noise_and_validation_hook(target, tmp_path):
+    """Noise changes the update (same seed, same draws otherwise); the validation hook runs every
+    val_every steps with the drafter in eval mode, and its line is logged."""
+    samples = make_samples(target)
+    states, lines, modes = [], [], []
+    for noise in (0.0, 0.5):
+        cfg = TrainConfig(kind="eagle", steps=4, batch_seqs=2, lr=1e-3, unroll=2, feat_noise=noise, val_every=2,
+                          ckpt_every=100)
+        d = build_drafter("eagle", target, 1, seed=0)
+
+        def validate(d=d):
+            modes.append(d.training)
+            return "ok"
+
+        train(cfg, d, target, samples, tmp_path / str(noise), log_fn=lines.append, validate=validate)
+        states.append(d.state_dict())
+    assert any(not torch.equal(a, b) for a, b in zip(states[0].values(), states[1].values()))
+    assert [line for line in lines if line.startswith("val")] == ["val step 2: ok", "val step 4: ok"] * 2
+    assert modes == [False] * 4

@@ -23,14 +23,18 @@ RESUME_BOUND_S = 120
 
 
 def remote_overrides(raw: dict) -> None:
-    """One target pool drafting remotely with the local `draft` pool's drafter (its model and K)."""
+    """One target pool drafting remotely, shaped like the local `draft` pool, with a drafter deployment
+    serving a standalone draft model (the target's first 4 layers: the drafter deployment runs a
+    causal LM, whatever form the local draft pool's own drafter has)."""
     draft = raw["pools"]["draft"]
     remote = copy.deepcopy(draft)
     remote.pop("drafter")
-    remote.update(method="remote_draft", remote_drafter="l4", remote_timeout_s=1.0, remote_reprobe_s=1.0,
+    remote.pop("prior_alpha", None)
+    remote.update(method="remote_draft", remote_drafter="l4", max_k=4, remote_timeout_s=1.0, remote_reprobe_s=1.0,
                   max_ongoing_requests=32, max_queued_requests=64,
                   health_probe_timeout_s=90)  # a busy shared 2-core machine must not recycle the engine
-    raw["drafters"] = {"l4": {"model": draft["drafter"], "replicas": 1, "resources": {"CPU": 1}}}
+    raw["models"]["smollm2-135m-draft-l4"] = {"source": f"truncate:{draft['model']}:4", "dtype": "float32"}
+    raw["drafters"] = {"l4": {"model": "smollm2-135m-draft-l4", "replicas": 1, "resources": {"CPU": 1}}}
     raw["pools"] = {"remote": remote}
 
 

@@ -21,7 +21,9 @@ def test_shipped_configs_load():
 def test_local_config_pools_and_modes():
     cfg = load_config(CONFIGS / "local-cpu.yaml")
     assert [m.value for m in cfg.pools["ngram"].modes] == ["ngram", "none"]
-    assert cfg.pools["draft"].drafter == "smollm2-135m-draft-l4"
+    assert cfg.pools["draft"].drafter == "smollm2-135m-eagle"
+    assert cfg.pools["draft"].method.value == "eagle"
+    assert cfg.models["smollm2-135m-eagle"].source.startswith("shipped:smollm2-135m:")
     assert cfg.served_models() == ["smollm2-135m"]
 
 
@@ -40,8 +42,10 @@ def test_local_config_pools_and_modes():
         (lambda c: c["router"].update(default_mode="fast"), "router.default_mode"),
         (lambda c: c["router"].update(default_k={"ngram": 40}), "router.default_k"),
         (lambda c: c["api"].update(http_port=70000), "api.http_port"),
-        (lambda c: c["models"]["smollm2-135m-draft-l4"].update(source="truncate:missing:4"),
-         "models.smollm2-135m-draft-l4.source"),
+        (lambda c: c["models"]["smollm2-135m-eagle"].update(source="shipped:missing:data/drafters/x"),
+         "models.smollm2-135m-eagle.source"),
+        (lambda c: c["models"]["smollm2-135m-eagle"].update(source="truncate:missing:4"),
+         "models.smollm2-135m-eagle.source"),
         (lambda c: c["pools"]["ngram"].update(autoscaling={"min_replicas": 3, "max_replicas": 1}),
          "pools.ngram.autoscaling"),
     ],

@@ -22,8 +22,8 @@ DOWN_TIMEOUT_S = 480
 
 
 def _autoscale_overrides(raw: dict) -> None:
-    raw["pools"].pop("draft", None)
-    raw["models"].pop("smollm2-135m-draft-l4", None)
+    draft = raw["pools"].pop("draft")
+    raw["models"].pop(draft["drafter"], None)
     ngram = raw["pools"]["ngram"]
     ngram.pop("replicas", None)
     ngram.pop("hardware_group", None)  # replicas count as capacity (on 2 cores they are not really)

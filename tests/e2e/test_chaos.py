@@ -186,7 +186,7 @@ def test_chaos_kill_engine_router_redis(chaos_cluster):
             assert time.monotonic() - t_stop < RECOVERY_BOUND_S, "stalled replica was never replaced"
             time.sleep(2)
         report["stalled_engine_replaced_s"] = round(time.monotonic() - t_stop, 1)
-        report["stalled_engine_recovery_s"] = round(_wait_recovered(stub, "draft_model", t_stop), 1)
+        report["stalled_engine_recovery_s"] = round(_wait_recovered(stub, "eagle", t_stop), 1)
         report["phases"]["after_engine_stall"] = dict(load.snapshot())
 
         # 1. an engine replica process (the ngram pool's only replica)

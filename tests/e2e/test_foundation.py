@@ -62,7 +62,7 @@ def test_greedy_output_identical_with_speculation_on_and_off(cluster):
     models = httpx.get(f"{cluster.http_url}/v1/models", timeout=30).json()
     pools = models["data"][0]["specserve"]["pools"]
     configs = [{"mode": p["method"], "k": k} for p in pools if p["method"] != "none" for k in range(1, p["max_k"] + 1)]
-    assert {c["mode"] for c in configs} == {"ngram", "draft_model"}
+    assert {c["mode"] for c in configs} == {"ngram", "eagle"}
 
     async def run_all():
         base = await _run_config(cluster.http_url, prompts, {"mode": "none"}, logprobs=True)

@@ -1,6 +1,8 @@
 """Disaggregated speculation (issue 9) on a real cluster: a target pool whose vLLM engine drafts
 through a separate drafter deployment. Greedy output is identical to no speculation on dev-set
-prompts; killing the drafter replica mid-run fails no request, and speculation resumes."""
+prompts; killing the drafter replica mid-run fails no request, and speculation resumes. The same
+small drafter also runs through vLLM's in-engine `draft_model` method (a second pool), lossless at
+every K."""
 
 from __future__ import annotations
 
@@ -35,7 +37,12 @@ def remote_overrides(raw: dict) -> None:
                   health_probe_timeout_s=90)  # a busy shared 2-core machine must not recycle the engine
     raw["models"]["smollm2-135m-draft-l4"] = {"source": f"truncate:{draft['model']}:4", "dtype": "float32"}
     raw["drafters"] = {"l4": {"model": "smollm2-135m-draft-l4", "replicas": 1, "resources": {"CPU": 1}}}
-    raw["pools"] = {"remote": remote}
+    # The same small model through vLLM's own `draft_model` method, in-engine (the embedded default's
+    # draft pool is an EAGLE head now, so this is where that method runs end to end).
+    in_engine = copy.deepcopy(draft)
+    in_engine.pop("prior_alpha", None)
+    in_engine.update(method="draft_model", drafter="smollm2-135m-draft-l4", max_k=4)
+    raw["pools"] = {"remote": remote, "draft": in_engine}
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +72,27 @@ def test_greedy_output_identical_to_no_speculation(remote_cluster):
         assert _stats(a)["token_ids"] == _stats(b)["token_ids"], f"prompt {p['id']} ({p['category']}) differs"
     assert sum(_stats(b)["drafted"] for b in remote) > 0, "no draft came back from the drafter"
     assert sum(_stats(a)["drafted"] for a in plain) == 0
+
+
+def test_in_engine_draft_model_is_lossless_at_every_k(remote_cluster):
+    """vLLM's draft_model method (the same 4-layer drafter, inside the target's engine), K = 1..4."""
+    prompts = dev_prompts(6)
+
+    async def run():
+        async with httpx.AsyncClient() as client:
+            plain = await asyncio.gather(*[
+                chat(client, remote_cluster.http_url, p["text"], max_tokens=32, spec={"mode": "none"}) for p in prompts])
+            runs = {k: await asyncio.gather(*[
+                chat(client, remote_cluster.http_url, p["text"], max_tokens=32, spec={"mode": "draft_model", "k": k})
+                for p in prompts]) for k in range(1, 5)}
+            return plain, runs
+
+    plain, runs = asyncio.run(run())
+    for k, results in runs.items():
+        for p, a, b in zip(prompts, plain, results):
+            assert _stats(b)["mode"] == "draft_model" and _stats(b)["pool"] == "draft" and _stats(b)["k"] == k
+            assert _stats(a)["token_ids"] == _stats(b)["token_ids"], f"K={k}: prompt {p['id']} ({p['category']}) differs"
+        assert sum(_stats(b)["drafted"] for b in results) > 0, f"K={k}: nothing drafted"
 
 
 def _pids(pattern: str) -> list[int]:

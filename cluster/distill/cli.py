@@ -160,11 +160,7 @@ def run(args: argparse.Namespace) -> int:
                           weight_decay=args.weight_decay, val_every=args.val_every if args.val_seqs else 0)
         validate = None
         if args.val_seqs:
-            # every len/val_seqs-th sequence of the greedy training corpus: spread over its prompts
-            stride = max(1, len(sets[1]) // args.val_seqs)
-            val = [s for i, s in enumerate(sets[1]) if i % stride == 0][: args.val_seqs]
-            ids = {id(s) for s in val}
-            train_set = [s for s in train_set if id(s) not in ids]
+            train_set, val = data.hold_back(sets[1:], args.val_seqs)
 
             def validate() -> str:
                 r = evaluate(args.kind, drafter, target, val, 3)

@@ -278,6 +278,19 @@ def corpus(
                    log_fn=log_fn)[0]
 
 
+def hold_back(parts: list[list[dict]], n: int) -> tuple[list[dict], list[dict]]:
+    """Training corpora (aligned: part j's i-th sample continues prompt i) -> (train, val): every
+    len/n-th prompt's greedy sample (parts[0]) is held back for validation, and that prompt's
+    samples in every other part leave training too, so no continuation of a validation prompt is
+    trained on. n = 0: nothing held back."""
+    if n <= 0 or not parts or not parts[0]:
+        return [s for part in parts for s in part], []
+    stride = max(1, len(parts[0]) // n)
+    held = set(list(range(0, len(parts[0]), stride))[:n])
+    train = [s for part in parts for i, s in enumerate(part) if i not in held]
+    return train, [parts[0][i] for i in sorted(held)]
+
+
 def cap_prompts(tokenizer, prompts: list[str], max_tokens: Optional[int]) -> tuple[list[str], int]:
     """Prompts whose chat-templated length is at most max_tokens (None: all) and how many were dropped."""
     if max_tokens is None:

@@ -179,3 +179,14 @@ def test_heldout_jsonl_is_what_the_bench_reads(tmp_path):
     assert len(lines) == len(held) == 12
     back = load_prompts(path)
     assert [(p.text, p.category, p.task) for p in back] == [(h.text, h.category, h.task) for h in held]
+
+
+def test_hold_back_removes_a_validation_prompt_from_every_corpus():
+    greedy = [{"p": i, "kind": "g"} for i in range(10)]
+    sampled = [{"p": i, "kind": "s"} for i in range(10)]
+    train, val = data.hold_back([greedy, sampled], 3)
+    assert [v["p"] for v in val] == [0, 3, 6] and all(v["kind"] == "g" for v in val)
+    assert sorted({s["p"] for s in train}) == [1, 2, 4, 5, 7, 8, 9]
+    assert len(train) == 14  # both corpora's samples of the 7 training prompts
+    all_train, none = data.hold_back([greedy, sampled], 0)
+    assert len(all_train) == 20 and none == []

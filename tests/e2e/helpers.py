@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -27,3 +28,14 @@ async def chat(client: httpx.AsyncClient, url: str, text: str, max_tokens: int =
     r = await client.post(f"{url}/v1/chat/completions", json=body, timeout=600)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+async def chat_all(url: str, prompts: list[dict], spec: dict | None, max_tokens: int = 32, concurrency: int = 16,
+                   **extra) -> list[dict]:
+    """`chat` for every prompt (dev_prompts' dicts), at most `concurrency` in flight, in prompt order."""
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient() as client:
+        async def one(p):
+            async with sem:
+                return await chat(client, url, p["text"], max_tokens, spec, **extra)
+        return await asyncio.gather(*[one(p) for p in prompts])

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.helpers import chat, dev_prompts
+from tests.e2e.helpers import chat, chat_all, dev_prompts
 
 pytestmark = pytest.mark.engine
 
@@ -38,16 +38,6 @@ def test_status_reports_pools_and_redis(cluster):
     assert '"ngram"' in out.stdout and '"draft"' in out.stdout and '"redis_ok"' in out.stdout
 
 
-async def _run_config(url: str, prompts: list[dict], spec: dict | None, logprobs: bool = False) -> list[dict]:
-    sem = asyncio.Semaphore(16)
-    async with httpx.AsyncClient() as client:
-        async def one(p):
-            async with sem:
-                extra = {"logprobs": True, "top_logprobs": 2} if logprobs else {}
-                return await chat(client, url, p["text"], MAX_TOKENS, spec, **extra)
-        return await asyncio.gather(*[one(p) for p in prompts])
-
-
 def _first_divergence(a: list[int], b: list[int]) -> int:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -65,8 +55,8 @@ def test_greedy_output_identical_with_speculation_on_and_off(cluster):
     assert {c["mode"] for c in configs} == {"ngram", "eagle"}
 
     async def run_all():
-        base = await _run_config(cluster.http_url, prompts, {"mode": "none"}, logprobs=True)
-        runs = await asyncio.gather(*[_run_config(cluster.http_url, prompts, c) for c in configs])
+        base = await chat_all(cluster.http_url, prompts, {"mode": "none"}, MAX_TOKENS, logprobs=True, top_logprobs=2)
+        runs = await asyncio.gather(*[chat_all(cluster.http_url, prompts, c, MAX_TOKENS) for c in configs])
         return base, runs
 
     base, runs = asyncio.run(run_all())

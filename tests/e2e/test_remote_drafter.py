@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import launch_cluster
-from tests.e2e.helpers import chat, dev_prompts
+from tests.e2e.helpers import chat_all, dev_prompts
 
 pytestmark = pytest.mark.engine
 
@@ -57,16 +57,9 @@ def _stats(resp: dict) -> dict:
 def test_greedy_output_identical_to_no_speculation(remote_cluster):
     prompts = dev_prompts(8)
 
-    async def run():
-        async with httpx.AsyncClient() as client:
-            plain = await asyncio.gather(*[
-                chat(client, remote_cluster.http_url, p["text"], max_tokens=48, spec={"mode": "none"}) for p in prompts])
-            remote = await asyncio.gather(*[
-                chat(client, remote_cluster.http_url, p["text"], max_tokens=48, spec={"mode": "remote_draft", "k": 4})
-                for p in prompts])
-            return plain, remote
-
-    plain, remote = asyncio.run(run())
+    url = remote_cluster.http_url
+    plain = asyncio.run(chat_all(url, prompts, {"mode": "none"}, max_tokens=48))
+    remote = asyncio.run(chat_all(url, prompts, {"mode": "remote_draft", "k": 4}, max_tokens=48))
     for p, a, b in zip(prompts, plain, remote):
         assert _stats(b)["mode"] == "remote_draft" and _stats(b)["pool"] == "remote"
         assert _stats(a)["token_ids"] == _stats(b)["token_ids"], f"prompt {p['id']} ({p['category']}) differs"
@@ -78,16 +71,9 @@ def test_in_engine_draft_model_is_lossless_at_every_k(remote_cluster):
     """vLLM's draft_model method (the same 4-layer drafter, inside the target's engine), K = 1..4."""
     prompts = dev_prompts(6)
 
-    async def run():
-        async with httpx.AsyncClient() as client:
-            plain = await asyncio.gather(*[
-                chat(client, remote_cluster.http_url, p["text"], max_tokens=32, spec={"mode": "none"}) for p in prompts])
-            runs = {k: await asyncio.gather(*[
-                chat(client, remote_cluster.http_url, p["text"], max_tokens=32, spec={"mode": "draft_model", "k": k})
-                for p in prompts]) for k in range(1, 5)}
-            return plain, runs
-
-    plain, runs = asyncio.run(run())
+    url = remote_cluster.http_url
+    plain = asyncio.run(chat_all(url, prompts, {"mode": "none"}, max_tokens=32))
+    runs = {k: asyncio.run(chat_all(url, prompts, {"mode": "draft_model", "k": k}, max_tokens=32)) for k in range(1, 5)}
     for k, results in runs.items():
         for p, a, b in zip(prompts, plain, results):
             assert _stats(b)["mode"] == "draft_model" and _stats(b)["pool"] == "draft" and _stats(b)["k"] == k

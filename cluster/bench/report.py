@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import json
 import math
+import random
+import statistics
 import subprocess
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from cluster.bench.metrics import (Sample, Slo, check_lossless, group_by, paired_ratios, pooled_rate, ratio_spread,
-                                   repeat_spread, round_rates, speedup, summarize)
+from cluster.bench.metrics import (Sample, Slo, check_lossless, group_by, paired_ratios, percentile, pooled_rate,
+                                   ratio_spread, repeat_spread, round_rates, speedup, summarize)
 from cluster.bench.plan import AUTO, NONE
 
 
@@ -70,8 +72,11 @@ def build_summary(samples: list[Sample], slo: Slo = Slo(), tie_gap: float = 0.05
                 trow = summarize(tgroup, slo)
                 tbase = repeat_spread([s for s in by_cfg.get(NONE, []) if s.task == task])["median"]
                 trow["repeat_tokens_per_s"] = repeat_spread(tgroup)
+                trow["rounds"] = round_rates(tgroup, slo, wall=False)  # per repeat, for the router's cross-validation
                 trow["speedup"] = speedup(trow["repeat_tokens_per_s"]["median"], tbase)
                 row["by_task"][task] = trow
+            if AUTO in by_cfg:  # per prompt, for the router's paired bootstrap
+                row["per_prompt"] = per_prompt_table(by_cfg[cfg])
             rows[cfg] = row
         out["comparison"][f"{temp:g}"] = rows
 
@@ -101,6 +106,18 @@ def build_summary(samples: list[Sample], slo: Slo = Slo(), tie_gap: float = 0.05
         out["poisson"][cfg] = summarize(group, slo)
     if AUTO in out["load"] or any(AUTO in rows for rows in out["comparison"].values()):
         out["router"] = router_verdict(out)
+    return out
+
+
+def per_prompt_table(samples: list[Sample]) -> dict[str, list[float]]:
+    """prompt id -> [output tokens, summed latency s] of one configuration's successful requests,
+    summed over the repeats (prompts without a successful request are left out)."""
+    out: dict[str, list[float]] = {}
+    for s in samples:
+        if s.ok and s.latency_s:
+            entry = out.setdefault(s.prompt_id, [0, 0.0])
+            entry[0] += s.output_tokens
+            entry[1] += s.latency_s
     return out
 
 
@@ -146,6 +163,78 @@ def _spread_fields(rounds: Optional[list], reference_rounds: Optional[list], tar
     return {"round_ratios": ratios, "round_ratio": ratio_spread(ratios, target)}
 
 
+def _rate(x: Any) -> Optional[float]:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+
+def cross_validated_best(auto_rounds: Optional[list], static_rounds: dict[str, Optional[list]]) -> dict[str, Any]:
+    """`auto` against a best static configuration chosen without looking at the repeat it is judged on.
+
+    The plain verdict takes the maximum over the static configurations measured on the same data it
+    judges with; over many configurations close to each other that maximum is biased upwards by the
+    noise (winner's curse), so even a router as fast as the truly best one reads below 1. Here, for each
+    repeat r, the best static is the one with the highest median tokens/s over the *other* repeats, and
+    auto's tokens/s on r is compared with that configuration's on r. `cv_best_static` lists the choice
+    per repeat (repeat order), `cv_ratio` = sum_r auto_r / sum_r chosen_r. All None with fewer than two
+    repeats (nothing to choose on) or without per-repeat rows (`rounds`, summaries of older runs)."""
+    none = {"cv_best_static": None, "cv_ratio": None, "cv_rounds": None}
+    auto = {r["round"]: _rate(r.get("tokens_per_s")) for r in auto_rounds or []}
+    auto = {k: v for k, v in auto.items() if v is not None}
+    static = {c: {r["round"]: _rate(r.get("tokens_per_s")) for r in rs or []} for c, rs in static_rounds.items()}
+    static = {c: {k: v for k, v in rates.items() if v is not None} for c, rates in static.items()}
+    repeats = sorted(auto)
+    if len(repeats) < 2:
+        return none
+    chosen, per_round = [], []
+    for r in repeats:
+        scores = {c: statistics.median(v for k, v in rates.items() if k != r)
+                  for c, rates in static.items() if r in rates and any(k != r for k in rates)}
+        if not scores:
+            return none
+        best = max(scores, key=scores.get)  # ties: the first in the summary's order
+        chosen.append(best)
+        per_round.append({"round": r, "best_static": best, "auto_tokens_per_s": auto[r],
+                          "best_static_tokens_per_s": static[best][r]})
+    den = sum(x["best_static_tokens_per_s"] for x in per_round)
+    return {"cv_best_static": chosen,
+            "cv_ratio": sum(x["auto_tokens_per_s"] for x in per_round) / den if den > 0 else None,
+            "cv_rounds": per_round}
+
+
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+
+
+def paired_bootstrap_ci(auto: Optional[dict], other: Optional[dict], resamples: int = BOOTSTRAP_RESAMPLES,
+                        seed: int = BOOTSTRAP_SEED) -> Optional[list[float]]:
+    """95% interval (2.5% and 97.5% quantiles) of auto's tokens/s over another configuration's,
+    resampling prompts with replacement (paired: a drawn prompt brings both configurations' numbers).
+    Tokens/s as everywhere at one stream: summed output tokens / summed request latency. The tables
+    are `per_prompt_table`s; only prompts in both count. None without two such prompts."""
+    if not auto or not other:
+        return None
+    prompts = sorted(set(auto) & set(other))
+    if len(prompts) < 2:
+        return None
+    pairs = [(auto[p][0], auto[p][1], other[p][0], other[p][1]) for p in prompts]
+    rng = random.Random(seed)
+    n = len(pairs)
+    ratios = []
+    for _ in range(resamples):
+        at = al = ot = ol = 0.0
+        for i in rng.choices(range(n), k=n):
+            a_tok, a_lat, o_tok, o_lat = pairs[i]
+            at += a_tok
+            al += a_lat
+            ot += o_tok
+            ol += o_lat
+        if al > 0 and ot > 0 and ol > 0:
+            ratios.append((at / al) / (ot / ol))
+    if not ratios:
+        return None
+    return [percentile(ratios, 2.5), percentile(ratios, 97.5)]
+
+
 def router_verdict(summary: dict[str, Any], temperature: str = "0") -> dict[str, Any]:
     """`auto` against the static configurations, from a built summary (pure). Ratios are auto's
     tokens/s over the reference's; each `ok` says whether the issue-4 target holds.
@@ -154,7 +243,17 @@ def router_verdict(summary: dict[str, Any], temperature: str = "0") -> dict[str,
     `none` and the best static speculation by those pooled numbers. `round_ratios` pairs auto with
     that same reference round by round (repeat by repeat at one stream), and `round_ratio` gives their
     min / median / max; `within_noise` says the rounds fall on both sides of the target, so the
-    pooled verdict is inside the run's own noise. `within_noise` at the top lists those targets."""
+    pooled verdict is inside the run's own noise. `within_noise` at the top lists those targets.
+
+    The best static by the maximum over many noisy configurations is biased upwards (winner's curse),
+    so next to `ratio` / `ok` (unchanged) the one-stream and per-task verdicts carry a
+    selection-unbiased comparison: `cv_best_static`, `cv_ratio`, `cv_ok` from `cross_validated_best`
+    (per task: auto's and the chosen configuration's tokens/s on the task; within a repeat their
+    speedups' ratio is the same number), and at one stream `ratio_ci95`, a paired per-prompt bootstrap
+    interval of auto over the (plain) best static (`paired_bootstrap_ci`). Each is None where the
+    summary lacks the data (one repeat; summaries of older runs). `all_ok_cv` is `all_ok` with the
+    cross-validated one-stream and per-task verdicts in place of the plain ones (None when one of them
+    is None); the load levels' `ok` are the same in both."""
     verdict: dict[str, Any] = {}
     noisy: list[str] = []
     rows = summary["comparison"].get(temperature, {})
@@ -162,10 +261,16 @@ def router_verdict(summary: dict[str, Any], temperature: str = "0") -> dict[str,
         static = {c: r["repeat_tokens_per_s"]["median"] for c, r in rows.items() if c != AUTO}
         best = max(static, key=static.get)
         auto = rows[AUTO]["repeat_tokens_per_s"]["median"]
+        cv = cross_validated_best(rows[AUTO].get("rounds"), {c: r.get("rounds") for c, r in rows.items() if c != AUTO})
         verdict["one_stream"] = {"auto_tokens_per_s": auto, "best_static": best,
                                  "best_static_tokens_per_s": static[best],
                                  "ratio": auto / static[best], "ok": auto >= static[best],
-                                 **_spread_fields(rows[AUTO].get("rounds"), rows[best].get("rounds"), 1.0)}
+                                 **_spread_fields(rows[AUTO].get("rounds"), rows[best].get("rounds"), 1.0),
+                                 **cv, "cv_ok": None if cv["cv_ratio"] is None else cv["cv_ratio"] >= 1.0,
+                                 "ratio_ci95": paired_bootstrap_ci(rows[AUTO].get("per_prompt"),
+                                                                   rows[best].get("per_prompt")),
+                                 "bootstrap_prompts": len(set(rows[AUTO].get("per_prompt") or ())
+                                                          & set(rows[best].get("per_prompt") or ()))}
         if verdict["one_stream"]["round_ratio"]["within_noise"]:
             noisy.append("one_stream")
         tasks = {}
@@ -173,9 +278,12 @@ def router_verdict(summary: dict[str, Any], temperature: str = "0") -> dict[str,
             speeds = {c: r["by_task"][task]["speedup"] for c, r in rows.items() if c != AUTO and task in r["by_task"]}
             tbest = max(speeds, key=speeds.get)
             ratio = arow["speedup"] / speeds[tbest]
+            tcv = cross_validated_best(arow.get("rounds"), {c: r["by_task"][task].get("rounds") for c, r in rows.items()
+                                                            if c != AUTO and task in r["by_task"]})
             tasks[task] = {"auto_speedup": arow["speedup"], "best_static": tbest,
                            "best_static_speedup": speeds[tbest], "ratio": ratio,
-                           "ok": ratio >= ROUTER_TASK_TOLERANCE}
+                           "ok": ratio >= ROUTER_TASK_TOLERANCE, **tcv,
+                           "cv_ok": None if tcv["cv_ratio"] is None else tcv["cv_ratio"] >= ROUTER_TASK_TOLERANCE}
         verdict["by_task"] = tasks
     load = summary["load"]
     if AUTO in load:
@@ -202,6 +310,10 @@ def router_verdict(summary: dict[str, Any], temperature: str = "0") -> dict[str,
     parts += [t["ok"] for t in verdict.get("by_task", {}).values()]
     parts += [lv["ok"] for lv in verdict.get("load", {}).values()]
     verdict["all_ok"] = all(parts)
+    cv_parts = [verdict["one_stream"]["cv_ok"]] if "one_stream" in verdict else []
+    cv_parts += [t["cv_ok"] for t in verdict.get("by_task", {}).values()]
+    load_ok = [lv["ok"] for lv in verdict.get("load", {}).values()]
+    verdict["all_ok_cv"] = None if any(x is None for x in cv_parts) else all(cv_parts + load_ok)
     verdict["within_noise"] = noisy
     return verdict
 
@@ -329,11 +441,17 @@ def _router_lines(v: dict[str, Any]) -> list[str]:
         lines += [f"One stream, greedy: auto {fmt(one['auto_tokens_per_s'])} tok/s, best static "
                   f"`{one['best_static']}` {fmt(one['best_static_tokens_per_s'])} tok/s: ratio "
                   f"{fmt(one['ratio'], 3)} (target >= 1: {yes(one['ok'])}).{per_repeat}", ""]
+        unbiased = _unbiased_text(one)
+        if unbiased:
+            lines += [unbiased, ""]
     if v.get("by_task"):
         table = [[t, fmt(r["auto_speedup"]), r["best_static"], fmt(r["best_static_speedup"]), fmt(r["ratio"], 3),
-                  yes(r["ok"])] for t, r in v["by_task"].items()]
+                  yes(r["ok"]), "-" if r.get("cv_ratio") is None else f"{fmt(r['cv_ratio'], 3)} {yes(r['cv_ok'])}"]
+                 for t, r in v["by_task"].items()]
         lines += _table(["task", "auto speedup", "best static", "its speedup", "ratio",
-                         f">= {ROUTER_TASK_TOLERANCE}"], table) + [""]
+                         f">= {ROUTER_TASK_TOLERANCE}", f"cv ratio, >= {ROUTER_TASK_TOLERANCE}"], table)
+        lines += ["", "*cv ratio*: auto over the task's best static chosen on the other repeats and measured on "
+                  "this one, summed over the repeats (selection-unbiased; `-`: one repeat or an older summary).", ""]
     if v.get("load"):
         table = []
         for c, r in v["load"].items():
@@ -351,9 +469,29 @@ def _router_lines(v: dict[str, Any]) -> list[str]:
                   "*Within the noise*: some rounds meet the target and some do not, so more rounds or longer "
                   "phases are needed before the verdict means anything.", ""]
     noisy = v.get("within_noise") or []
+    cv_all = v.get("all_ok_cv")
     lines += [f"All router targets met: {yes(v['all_ok'])}." + (f" Within the run's noise: {', '.join(noisy)}."
-                                                               if noisy else ""), ""]
+                                                               if noisy else "")
+              + (f" With the selection-unbiased one-stream and per-task verdicts: {yes(cv_all)}."
+                 if cv_all is not None else ""), ""]
     return lines
+
+
+def _unbiased_text(one: dict[str, Any]) -> str:
+    """The one-stream line of the selection-unbiased comparison ('' when the summary has neither)."""
+    parts = []
+    if one.get("cv_ratio") is not None:
+        chosen = ", ".join(one["cv_best_static"])
+        parts.append(f"auto / cv best = {fmt(one['cv_ratio'], 3)} ({chosen}; target >= 1: "
+                     f"{'yes' if one['cv_ok'] else '**no**'})")
+    ci = one.get("ratio_ci95")
+    if ci:
+        parts.append(f"paired bootstrap 95% CI of auto / {one['best_static']} over {one.get('bootstrap_prompts')} "
+                     f"prompts: {fmt(ci[0], 3)}-{fmt(ci[1], 3)}")
+    if not parts:
+        return ""
+    return ("Selection-unbiased (best static chosen on the other repeats, measured on this one; prompts "
+            f"resampled {BOOTSTRAP_RESAMPLES} times): " + "; ".join(parts) + ".")
 
 
 # -- files ---------------------------------------------------------------------------------------------

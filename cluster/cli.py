@@ -291,6 +291,8 @@ def cmd_tuning(args) -> int:
     models = [args.model] if args.model else cfg.served_models()
     try:
         reachable = all([store.refresh_now(m) for m in models])
+        if args.explain:
+            return _print_explain(cfg, store, models, args, reachable)
         rows = [row for m in models for row in store.table(m)]
     finally:
         store.close(flush=False)
@@ -312,6 +314,35 @@ def cmd_tuning(args) -> int:
                 v = ",".join(f"{x:.2f}" for x in v)
             cells.append(str(v))
         print("\t".join(cells))
+    return 0
+
+
+def _print_explain(cfg, store, models, args, reachable: bool) -> int:
+    """`specserve tuning --explain`: the router's choice per class and batch from the state just read."""
+    from cluster.routing import explain_choices, pool_views
+    from cluster.speculation import WORKLOAD_CLASSES
+
+    try:
+        batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    except ValueError:
+        print(f"--batches: expected a comma list of integers, got {args.batches!r}", file=sys.stderr)
+        return 2
+    rows = []
+    for m in models:
+        view = store.snapshot(m)
+        pools = [v for v in pool_views(cfg) if v.model == m]
+        rows += [{"model": m, **r} for r in explain_choices(pools, cfg.router, view, WORKLOAD_CLASSES, batches)]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"# auto's choice (no exploration) from the tuning state at {cfg.redis.url} "
+          f"(redis {'reachable' if reachable else 'NOT reachable: cold-start priors'})")
+    cols = ["model", "batch", "workload_class", "pool", "mode", "k", "alpha", "draft_rate", "cost_per_k",
+            "expected_tokens_per_step", "score", "scores"]
+    print("\t".join(cols))
+    for r in rows:
+        print("\t".join(" ".join(f"{p}={s}" for p, s in r[c].items()) if isinstance(r[c], dict) else str(r[c])
+                        for c in cols))
     return 0
 
 
@@ -372,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", default=DEFAULT_CONFIG)
     t.add_argument("--model", default=None)
     t.add_argument("--json", action="store_true")
+    t.add_argument("--explain", action="store_true",
+                   help="print what auto would choose per workload class and batch size (no exploration)")
+    t.add_argument("--batches", default="1,4,16", help="with --explain: batch sizes a request joins")
     t.set_defaults(func=cmd_tuning)
 
     pr = sub.add_parser("prepare", help="prepare (convert, cache) the models of a config")

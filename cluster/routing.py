@@ -192,3 +192,30 @@ def route(
     from cluster.policy import choose_auto
 
     return choose_auto(pools, router, workload_class, tuning)
+
+
+def explain_choices(
+    views: list[PoolView], router: RouterConfig, tuning, classes, batches,
+) -> list[dict]:
+    """What `auto` would choose, exploiting only (no exploration draw), for each workload class at
+    each batch size, from the tuning view `tuning` (a `cluster.policy.TuningView`, or None for the
+    cold-start priors): one row per (batch, class) with the chosen pool, mode and K and the numbers
+    behind it. `batches` are the batch a request would join (1 = an idle machine); every pool is
+    given that load (pools of one hardware group share it). Pure: `specserve tuning --explain`
+    prints it for a config, so an operator can read the router's choice before sending traffic."""
+    from cluster.policy import choose_auto
+
+    if tuning is not None:
+        tuning = replace(tuning, rng=None)
+    rows = []
+    for batch in batches:
+        others = max(float(batch) - 1.0, 0.0)
+        loaded = [replace(v, running=others * max(v.replicas, 1), waiting=0.0,
+                          group_load=others if v.hardware_group is not None else None) for v in views]
+        for wclass in classes:
+            d = choose_auto(loaded, router, wclass, tuning, rng=None)
+            rows.append({"batch": batch, "workload_class": wclass, "pool": d.pool, "mode": d.mode.value,
+                         "k": d.k, **{f: d.detail.get(f) for f in (
+                             "load_bucket", "alpha", "draft_rate", "cost_per_k", "expected_tokens_per_step",
+                             "score", "scores")}})
+    return rows

@@ -73,3 +73,41 @@ def test_no_pools_and_models():
     with pytest.raises(ApiError) as e:
         resolve_model(None, ["a", "b"])
     assert e.value.code == ErrorCode.INVALID_ARGUMENT
+
+
+# -- explain_choices (`specserve tuning --explain`) ------------------------------------------------
+
+def test_explain_choices_rows_follow_load_and_never_explore():
+    import random
+
+    from cluster.policy import TuningView
+    from cluster.routing import explain_choices
+
+    ngram = PoolView(name="ngram", model="m", method=SpecMode.NGRAM, max_k=6, hardware_group="hw",
+                     prior_alpha=(("qa", 0.05), ("translation", 0.9)))
+    plain = PoolView(name="plain", model="m", method=SpecMode.NONE, max_k=0, hardware_group="hw")
+    # an RNG that explores on every draw (random() < ε) must not be used: explain is exploitation only
+    always = random.Random(0)
+    always.random = lambda: 0.0
+    view = TuningView(model="m", rng=always)
+    rows = explain_choices([ngram, plain], ROUTER, view, ("translation", "qa"), (1, 32))
+    assert [(r["batch"], r["workload_class"]) for r in rows] == [(1, "translation"), (1, "qa"), (32, "translation"), (32, "qa")]
+    by = {(r["batch"], r["workload_class"]): r for r in rows}
+    # idle: translation (α 0.9) drafts deep; QA (α 0.05) does not pay for a draft
+    assert by[(1, "translation")]["mode"] == "ngram" and by[(1, "translation")]["k"] >= 4
+    assert by[(1, "qa")]["k"] == 0 and by[(1, "qa")]["mode"] == "none"
+    # both pools share the hardware: the batch is the group's, so batch 32 lands in the 16+ bucket
+    assert by[(32, "translation")]["load_bucket"] == "16+" and by[(1, "translation")]["load_bucket"] == "1"
+    assert by[(32, "translation")]["k"] < by[(1, "translation")]["k"]
+    # same as the policy itself on the same loaded views with exploration off
+    again = explain_choices([ngram, plain], ROUTER, TuningView(model="m"), ("translation", "qa"), (1, 32))
+    assert [(r["pool"], r["k"], r["score"]) for r in again] == [(r["pool"], r["k"], r["score"]) for r in rows]
+
+
+def test_explain_choices_cold_start_without_a_view():
+    from cluster.routing import explain_choices
+
+    ngram = PoolView(name="ngram", model="m", method=SpecMode.NGRAM, max_k=4, prior_alpha=(("*", 0.7),))
+    rows = explain_choices([ngram], ROUTER, None, ("chat",), (1,))
+    assert len(rows) == 1 and rows[0]["pool"] == "ngram" and 1 <= rows[0]["k"] <= 4
+    assert rows[0]["alpha"] == 0.7

@@ -6,6 +6,7 @@ checks (convergence from simulated traffic drawn with a known acceptance rate)."
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from cluster.config import RouterConfig
 from cluster.policy import (
-    BUCKET_NAMES, LOAD_BUCKETS, CellStats, PolicyParams, TuningView, alpha_posterior, best_k, choose_auto,
+    BUCKET_BATCH, BUCKET_NAMES, LOAD_BUCKETS, CellStats, PolicyParams, TuningView, alpha_posterior, best_k, choose_auto,
     class_weights, cost_per_k, draft_rate, expected_tokens_per_step, exploration_rate, hysteresis_k, k_cap_table,
     load_bucket, prior_alpha, prior_cost_per_k, score, step_time_rel, tuning_rows,
 )
@@ -513,3 +514,36 @@ def test_pool_config_validates_priors():
         with pytest.raises(ConfigError, match=words) as e:
             parse_config(raw)
         assert "prior_alpha" in str(e.value)
+
+
+# -- pools that time-share one machine (hardware_group) ---------------------------------------------
+
+def _grouped(ng_running: float, dr_running: float, dr_prior: float):
+    from cluster.routing import with_load
+
+    views = [replace(ngram(prior=0.05), hardware_group="hw"), replace(draft(prior=dr_prior), hardware_group="hw")]
+    return with_load(views, {"ngram": ng_running, "draft": dr_running})
+
+
+def test_joining_step_rel_adds_the_other_engines_step_when_it_is_busy():
+    from cluster.policy import joining_step_rel
+
+    ng, dr = _grouped(4, 0, 0.5)
+    t = lambda b: 1.0 + P.step_time_per_batch * (BUCKET_BATCH[load_bucket(b)] - 1.0)  # the prior  # noqa: E731
+    assert joining_step_rel(ng, None) == pytest.approx(t(5))  # one batch of 5 in the busy engine
+    assert joining_step_rel(dr, None) == pytest.approx(t(1) + t(4))  # its own step, then the other's
+    idle_ng, idle_dr = _grouped(0, 0, 0.5)
+    assert joining_step_rel(idle_dr, None) == pytest.approx(t(1)) == joining_step_rel(idle_ng, None)
+    alone = replace(draft(running=3), hardware_group=None)  # no group: its own batch, as before
+    assert joining_step_rel(alone, None) == pytest.approx(t(4))
+
+
+def test_a_busy_shared_machine_keeps_traffic_on_the_busy_engine():
+    """The draft pool would win on an idle machine (α 0.6 against n-gram's 0.05) but not while the
+    n-gram engine on the same cores has four requests: it would add its steps to theirs."""
+    idle = choose_auto(_grouped(0, 0, 0.6), ROUTER, "chat", None)
+    assert idle.pool == "draft" and idle.k > 0
+    busy = choose_auto(_grouped(4, 0, 0.6), ROUTER, "chat", None)
+    assert busy.pool == "ngram"
+    # and the other way round: with the draft engine busy, requests join it rather than wake n-gram
+    assert choose_auto(_grouped(0, 4, 0.6), ROUTER, "chat", None).pool == "draft"

@@ -12,13 +12,15 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import replace
 from typing import Any, AsyncIterator, Callable, Optional
 
 from cluster.api import ApiError, ErrorCode, GenerateRequest, from_openai
 from cluster.auth import AUTH_ERROR_MESSAGE, ApiKeyStore, bearer_from_grpc, bearer_from_http
 from cluster.config import ClusterConfig
 from cluster.policy import load_bucket
-from cluster.routing import Decision, PoolView, pool_load, pool_views, resolve_model, route, with_load
+from cluster.routing import (Decision, LoadMeter, PoolView, load_domain, pool_load, pool_views, resolve_model, route,
+                             with_load)
 from cluster.wire import Completion, openai_chunk, openai_error_event, openai_response
 from deployments.engine import EngineChunk, EngineRequest
 
@@ -51,6 +53,7 @@ class Router:
         self.classify = classifier or _default_classifier
         self.views = {v.name: v for v in pool_views(config)}
         self.inflight: dict[str, int] = {name: 0 for name in config.pools}  # this router's view of load
+        self.meter = LoadMeter()  # time-weighted in-flight per load domain: the load a request met
         self.served = config.served_models()
         self.auth = auth
         self.metrics = metrics
@@ -170,6 +173,9 @@ class Router:
         rid = ereq.request_id
         comp = Completion(request_id=rid, model=model)
         self.inflight[d.pool] += 1
+        domain = load_domain(self.views[d.pool])
+        self.meter.change(domain, +1, time.monotonic())
+        mark = self.meter.mark(domain, time.monotonic())
         replica = ""
         try:
             async for chunk in self._engine_chunks(d, ereq):
@@ -192,13 +198,14 @@ class Router:
             if comp.finish_reason is None:
                 raise ApiError(ErrorCode.UNAVAILABLE, "engine stream ended before the request finished",
                                retry_after_s=RETRY_AFTER_S)
-            self._record(model, d, comp)
+            self._record(model, self._at_met_load(d, self.meter.mean_since(domain, mark, time.monotonic())), comp)
         except ApiError:
             raise
         except Exception as e:  # noqa: BLE001 - mapped to a typed API error with context
             raise self._map_error(e, rid, d) from e
         finally:
             self.inflight[d.pool] -= 1
+            self.meter.change(domain, -1, time.monotonic())
             if replica:
                 self._note_finished(d.pool, replica)
 
@@ -264,13 +271,25 @@ class Router:
         log.exception("request %s (pool %s, mode %s, k %d) failed", rid, d.pool, d.mode.value, d.k)
         return ApiError(ErrorCode.INTERNAL, f"internal error ({type(e).__name__}); request id {rid}")
 
+    def _at_met_load(self, d: Decision, met: Optional[float]) -> Decision:
+        """`d` with the load bucket its statistics belong to: the mean load this router saw on the
+        pool's load domain (its hardware group, or the pool per replica) over the request's life
+        (`LoadMeter`), instead of the load at admission (kept as `admission_bucket`)."""
+        if met is None:
+            return d
+        view = self.views[d.pool]
+        if view.hardware_group is None:
+            met /= max(view.replicas, 1)
+        return replace(d, detail={**d.detail, "load_bucket": load_bucket(max(met, 1.0)),
+                                  "admission_bucket": d.detail.get("load_bucket")})
+
     def _record(self, model: str, d: Decision, comp: Completion) -> None:
         """Metrics and tuning state from a finished request; neither may ever fail the request."""
         try:
             if self.metrics is not None:
                 self.metrics.observe(d, comp.stats)
             if self.tuning is not None:
-                self.tuning.record_completion(model, d, comp)  # in the bucket of the load at admission
+                self.tuning.record_completion(model, d, comp)  # in the bucket of the load it met
         except Exception:  # noqa: BLE001 - see docstring; logged with context
             log.warning("recording stats of %s (pool %s, mode %s, k %d) failed", comp.request_id, d.pool,
                         d.mode.value, d.k, exc_info=True)

@@ -194,18 +194,54 @@ class RecordingTuning:
         return True
 
 
-def test_stats_are_recorded_in_the_bucket_of_the_load_at_admission():
-    # The local pools share one hardware group: a request admitted while 3 others run on either
+def test_stats_are_recorded_in_the_bucket_of_the_load_they_met():
+    # The local pools share one hardware group: a request that ran while 3 others ran on either
     # pool met a batch of 4 (bucket 4-7), whichever pool and whoever decided; one alone met batch 1.
+    import time
+
     router, _ = make_router(lambda: FakeCall([FINAL]))
     router.tuning = RecordingTuning()
     assert post(router, BODY).status_code == 200
     auto = {**BODY, "specserve": {}}
     assert post(router, auto).status_code == 200
     router.inflight.update({"ngram": 1, "draft": 2})
+    router.meter.change("group:local", +3, time.monotonic())  # the three others, as _stream counts them
     assert post(router, BODY).status_code == 200
     assert post(router, auto).status_code == 200
     assert router.tuning.records == [("1", "request"), ("1", "policy"), ("4-7", "request"), ("4-7", "policy")]
+
+
+class SlowCall(FakeCall):
+    """A call whose first chunk comes after `on_start` ran and `delay_s` passed (others join meanwhile)."""
+
+    def __init__(self, chunks, on_start, delay_s):
+        super().__init__(chunks)
+        self.on_start, self.delay_s = on_start, delay_s
+
+    async def __anext__(self):
+        if self.on_start is not None:
+            self.on_start()
+            self.on_start = None
+            await asyncio.sleep(self.delay_s)
+        return await super().__anext__()
+
+
+def test_a_request_admitted_idle_that_meets_a_burst_is_recorded_at_the_burst_load():
+    """The first request of a burst is admitted to an idle machine (its decision's bucket is 1) but
+    runs in a batch of 5: its step times belong to bucket 4-7, not to the batch-1 cells."""
+    import time
+
+    router_box = {}
+
+    def burst():  # four more requests arrive just after this one was admitted
+        router_box["r"].meter.change("group:local", +4, time.monotonic())
+
+    router, _ = make_router(lambda: SlowCall([FINAL], burst, 0.2))
+    router_box["r"] = router
+    router.tuning = RecordingTuning()
+    assert post(router, {**BODY, "specserve": {}}).status_code == 200
+    assert router.tuning.decisions[0].detail["load_bucket"] == "1"  # decided at admission, idle
+    assert router.tuning.records == [("4-7", "policy")]  # recorded at the load it ran under
 
 
 def test_engine_load_reports_raise_the_load_the_policy_sees():

@@ -90,3 +90,27 @@ def install_redaction(logger_names: Iterable[str] = ("", "ray", "ray.serve", "vl
             if not any(isinstance(f, RedactTextFilter) for f in handler.filters):
                 handler.addFilter(filt)
     return filt
+
+
+def route_to_serve_log(logger_name: str = "specserve", serve_logger: str = "ray.serve") -> int:
+    """Give the `specserve.*` loggers the handlers of Ray Serve's component logger (idempotent).
+
+    In a Serve replica, Ray Serve writes its own records to the replica's log file
+    (`logs/serve/replica_<app>_<deployment>_*.log`) through handlers on `ray.serve`, which does not
+    propagate; specserve's loggers propagate to the root logger, whose handler is the worker's stderr
+    (`logs/worker-*.err`), so an operator reading the Serve logs missed specserve's warnings. With
+    these handlers added they land in both places. Returns how many handlers were added."""
+    target = logging.getLogger(logger_name)
+    added = 0
+    for handler in logging.getLogger(serve_logger).handlers:
+        if handler not in target.handlers:
+            target.addHandler(handler)
+            added += 1
+    return added
+
+
+def setup_replica_logging(debug: Optional[bool] = None) -> None:
+    """What every specserve replica calls first in __init__: redaction on every handler, then
+    specserve's records into the replica's Serve log too."""
+    install_redaction(debug=debug)
+    route_to_serve_log()

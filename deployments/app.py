@@ -28,10 +28,10 @@ class EngineReplica(EngineServer):
     """EngineServer that prepares its own model files on the node it lands on (cached per node)."""
 
     def __init__(self, pool_name: str, pool: PoolConfig, config: ClusterConfig, drafter: Any = None):
-        from cluster.logsafe import install_redaction
+        from cluster.logsafe import setup_replica_logging
         from cluster.models import resolve_model
 
-        install_redaction()
+        setup_replica_logging()
         model_path = resolve_model(pool.model, config)
         drafter_path = resolve_model(pool.drafter, config) if pool.drafter else None
 
@@ -47,10 +47,10 @@ class DrafterReplica(DrafterServer):
     """DrafterServer that prepares its draft model on the node it lands on (cached per node)."""
 
     def __init__(self, name: str, d: DrafterDeploymentConfig, config: ClusterConfig):
-        from cluster.logsafe import install_redaction
+        from cluster.logsafe import setup_replica_logging
         from cluster.models import resolve_model
 
-        install_redaction()
+        setup_replica_logging()
         super().__init__(name, resolve_model(d.model, config), dtype=config.models[d.model].dtype,
                          max_sequences=d.max_sequences, idle_ttl_s=d.idle_ttl_s, max_context=d.max_context,
                          port=d.port, num_threads=max(int(d.resources.get("CPU", 1)), 1))
@@ -61,9 +61,9 @@ class RouterReplica(Router):
 
     def __init__(self, config: ClusterConfig, engines: dict[str, Any]):
         from cluster.auth import ApiKeyStore
-        from cluster.logsafe import install_redaction
+        from cluster.logsafe import setup_replica_logging
 
-        install_redaction()
+        setup_replica_logging()
         auth = ApiKeyStore.from_config(config.auth) if config.auth.enabled else None
         from cluster.metrics import RouterMetrics
 

@@ -288,3 +288,31 @@ def test_install_redaction_is_idempotent():
         assert sum(isinstance(f, RedactTextFilter) for f in h.filters) == 1
     finally:
         logger.removeHandler(h)
+
+
+def test_specserve_records_reach_the_serve_component_log_once_and_redacted():
+    """route_to_serve_log: a specserve.* record goes to the handlers of the (non-propagating) Serve
+    component logger, once however often replicas call it, through the redaction filter."""
+    from cluster.logsafe import route_to_serve_log
+
+    serve = logging.getLogger("specserve-test.serve")
+    serve.propagate = False
+    records: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    h = Capture()
+    serve.addHandler(h)
+    ours = logging.getLogger("specserve-test.ours")
+    try:
+        install_redaction(["specserve-test.serve"], debug=False)
+        assert route_to_serve_log("specserve-test.ours", "specserve-test.serve") == 1
+        assert route_to_serve_log("specserve-test.ours", "specserve-test.serve") == 0
+        logging.getLogger("specserve-test.ours.tuning").warning("ignoring key %s: prompt=%s", "k1", "secret text")
+        assert len(records) == 1
+        assert records[0].startswith("ignoring key k1") and "secret text" not in records[0]
+    finally:
+        serve.removeHandler(h)
+        ours.handlers.clear()

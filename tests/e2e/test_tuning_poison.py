@@ -94,19 +94,18 @@ def test_poisoned_tuning_keys_are_ignored_with_a_warning_and_a_metric(cluster):
         assert any(f'reason="{kind}"' in line for line in lines), (kind, lines)
     assert _metric_total(text, "ray_specserve_tuning_ignored_keys") >= len(poisoned)
 
-    # The warning, in the router replica's logs: the `specserve.*` loggers write to the replica
-    # actor's stderr (logs/worker-*.err, headed `:actor_name:ServeReplica:<app>:router`), Ray
-    # Serve's own logger to logs/serve/replica_<app>_router_*.log; look in both.
-    logs = [p for p in glob.glob("/tmp/ray/session_*/logs/worker-*.err")
-            + glob.glob("/tmp/ray/session_*/logs/serve/replica_*router*.log")
-            if os.path.getmtime(p) >= started - 1]
-    found = set()
-    for path in logs:
-        with open(path, errors="replace") as f:
-            for line in f:
-                if "ignoring tuning key" in line:
-                    found.update(k for k in poisoned if k in line)
-    assert found == set(poisoned), (sorted(set(poisoned) - found), logs)
+    # The warning, in the router replica's Serve log (logs/serve/replica_<app>_router_*.log, where
+    # an operator reads a replica's logs: `cluster.logsafe.route_to_serve_log`), and in the replica
+    # actor's stderr (logs/worker-*.err) through the root logger.
+    for pattern in ("/tmp/ray/session_*/logs/serve/replica_*router*.log", "/tmp/ray/session_*/logs/worker-*.err"):
+        logs = [p for p in glob.glob(pattern) if os.path.getmtime(p) >= started - 1]
+        found = set()
+        for path in logs:
+            with open(path, errors="replace") as f:
+                for line in f:
+                    if "ignoring tuning key" in line:
+                        found.update(k for k in poisoned if k in line)
+        assert found == set(poisoned), (pattern, sorted(set(poisoned) - found), logs)
     # Repaired: the router deleted the bad keys so writers can rebuild them.
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(client.type(k) not in (b"none", b"hash") or client.hlen(k) > 100

@@ -1,0 +1,17 @@
+"""The examples in the pure modules' docstrings are executed, so they cannot drift from the code."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["cluster.policy", "cluster.routing", "cluster.autoscale", "cluster.vllm_scheduler", "cluster.redis_server"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples_hold(name):
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0, f"{name} has no examples any more: drop it from MODULES"
+    assert result.failed == 0

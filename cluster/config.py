@@ -110,6 +110,13 @@ class DrafterDeploymentConfig(_Strict):
         return v
 
 
+class DraftCostPrior(_Strict):
+    """A proposer's cost, relative to one plain target step at batch 1 (verification not included)."""
+
+    per_step: float = Field(0.0, ge=0, le=10, description="Fixed cost of a step that drafts anything.")
+    per_token: float = Field(0.0, ge=0, le=10, description="Cost per draft token.")
+
+
 class PoolConfig(_Strict):
     """A set of identical engine replicas: one target model, one speculative method, K up to max_k."""
 
@@ -181,6 +188,16 @@ class PoolConfig(_Strict):
         description=(
             "Cold-start acceptance rate α per workload class for this pool's method, measured on this "
             "target (`*` for every class not listed); live traffic outweighs it. Empty: built-in priors."
+        ),
+    )
+
+    prior_draft_cost: Optional[DraftCostPrior] = Field(
+        None,
+        description=(
+            "Cold-start cost of this pool's proposer, relative to one plain target step at batch 1 and "
+            "without verification: `per_step` (paid once by a step that drafts, whatever K) and "
+            "`per_token` (per draft token), measured on this hardware; measured step times replace "
+            "it as traffic comes. Unset: built-in priors (GPU-like figures)."
         ),
     )
 

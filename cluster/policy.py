@@ -20,13 +20,19 @@ pool's per-step `k_cap_by_batch` table from the same state. Words are those of
   for α: its estimate is accepted / (accepted + rejected drafting steps), the maximum-likelihood
   estimate under the geometric model truncated at the drafted length
   (`cluster.tuning.increments_from_stats` counts the trials); p's is drafting steps / steps.
-- **cost per K** (c): extra time of one step per draft token, relative to a plain step at the
-  same load: step time(K) / step time(0) = 1 + c·K, where c = verify cost (grows with batch size:
-  verifying K more tokens per request is nearly free at batch 1 and not at batch 16) + draft cost
-  (the proposer's own work). Measured as decode seconds per step of a mode against plain decoding
-  in the same load bucket, blended with priors.
+- **step cost** (f, c): extra time of one step, relative to a plain step at the same load:
+  step time(K) / step time(0) = 1 + f + c·K for K > 0, where c (cost per K) = verify cost (grows
+  with batch size: verifying K more tokens per request is nearly free at batch 1 and not at batch
+  16) + the proposer's cost per draft token, and f is the proposer's fixed cost of a step that
+  drafts at all (a model drafter's extra forward pass and its bookkeeping: here the distilled
+  EAGLE head costs 0.32 of a plain step per step and 0.02 per token, n-gram lookup nothing). The
+  prior is the pool's `prior_draft_cost` (measured on its hardware) or a built-in table; measured
+  decode seconds per step of a mode against plain decoding in the same load bucket scale both
+  terms (one mean K per cell cannot separate them), blended with the prior by step counts.
+  (A linear 1 + c·K with a GPU-like c = 0.05 for EAGLE let K = 1 look 10% faster than plain
+  decoding for classes the head drafts at α ≈ 0.2, where it measured 0.85x.)
 - **score** of (pool, K): expected output tokens per unit of plain-step time at batch 1,
-  E(α, K, p) / (step_rel(batch) · (1 + c·K)) — proportional to the request's tokens per second.
+  E(α, K, p) / (step_rel(batch) · (1 + f + c·K)) — proportional to the request's tokens per second.
 - **load bucket**: the batch the request joins (`PoolView.load_batch + 1`: the pool's batch per
   replica, or the whole hardware group's load when pools share hardware) bucketed as
   1, 2-3, 4-7, 8-15, 16+. A request is decided in the bucket of its admission; its statistics are
@@ -81,6 +87,14 @@ PRIOR_DRAFT_COST = {
     SpecMode.DRAFT_MODEL.value: 0.15, SpecMode.EAGLE.value: 0.05, SpecMode.EAGLE3.value: 0.06,
     SpecMode.MTP.value: 0.05,
 }
+# Fixed draft cost of a step that drafts (any K), relative to one plain target step: a model
+# drafter's extra pass over the accepted tokens and its sampling. GPU-like defaults; a pool's
+# measured `prior_draft_cost` replaces both tables (CPU here: EAGLE 0.32 per step, 0.02 per token).
+PRIOR_DRAFT_STEP_COST = {
+    SpecMode.NONE.value: 0.0, SpecMode.NGRAM.value: 0.0, SpecMode.SUFFIX.value: 0.0,
+    SpecMode.DRAFT_MODEL.value: 0.05, SpecMode.EAGLE.value: 0.03, SpecMode.EAGLE3.value: 0.03,
+    SpecMode.MTP.value: 0.03,
+}
 
 
 @dataclass(frozen=True)
@@ -89,7 +103,7 @@ class PolicyParams:
 
     prior_trials: float = 100.0  # pseudo-count of the α prior (accepted + rejected steps)
     prior_draft_steps: float = 100.0  # pseudo-count of the draft-rate prior p = 1 (steps)
-    prior_cost_steps: float = 2000.0  # pseudo-count of the cost prior (steps)
+    prior_cost_steps: float = 500.0  # pseudo-count of the cost prior (steps)
     min_cost_steps: int = 200  # steps a cell needs before its step time is used at all
     max_effective_trials: float = 5000.0  # counts are scaled down to this, so the posterior never freezes
     # verify cost per draft token = verify_cost_b1 + verify_cost_per_batch * (batch - 1), at most 1.
@@ -166,7 +180,7 @@ class CellStats:
         return [a / e if e else None for a, e in zip(self.accepted_at, self.exposed_at)]
 
     def __add__(self, other: "CellStats") -> "CellStats":
-        n = max(len(self.accepted_at), len(other.accepted_at))
+        n = max(len(self.accepted_at), len(other.accepted_at), len(self.exposed_at), len(other.exposed_at))
         pad = lambda t: tuple(t) + (0,) * (n - len(t))  # noqa: E731
         return CellStats(
             requests=self.requests + other.requests, steps=self.steps + other.steps,
@@ -262,10 +276,28 @@ def prior_alpha(mode: str, workload_class: str, measured: Mapping[str, float] | 
     return PRIOR_ALPHA_BY_MODE.get(mode, 0.0)
 
 
+def prior_step_cost(mode: str, batch: float, params: PolicyParams = DEFAULT_PARAMS,
+                    draft_cost: Optional[tuple[float, float]] = None) -> tuple[float, float]:
+    """Prior (f, c) of `mode` at `batch`: the proposer's fixed cost per drafting step, and verify
+    cost per draft token at this batch + the proposer's cost per draft token. `draft_cost` is the
+    pool's measured (per step, per token) prior (`PoolConfig.prior_draft_cost`), else built-in.
+
+    >>> prior_step_cost("eagle", 1, draft_cost=(0.32, 0.02))
+    (0.32, 0.05)
+    """
+    verify = min(params.verify_cost_b1 + params.verify_cost_per_batch * max(batch - 1.0, 0.0), 1.0)
+    if mode == SpecMode.NONE.value:
+        return 0.0, 0.0
+    if draft_cost is not None:
+        fixed, per_token = draft_cost
+    else:
+        fixed, per_token = PRIOR_DRAFT_STEP_COST.get(mode, 0.05), PRIOR_DRAFT_COST.get(mode, 0.1)
+    return float(fixed), round(verify + float(per_token), 10)
+
+
 def prior_cost_per_k(mode: str, batch: float, params: PolicyParams = DEFAULT_PARAMS) -> float:
     """Prior c(mode, batch) = verify cost per draft token at this batch + the proposer's draft cost."""
-    verify = min(params.verify_cost_b1 + params.verify_cost_per_batch * max(batch - 1.0, 0.0), 1.0)
-    return verify + PRIOR_DRAFT_COST.get(mode, 0.1)
+    return prior_step_cost(mode, batch, params)[1]
 
 
 def _blend(measured: Optional[float], n: float, prior: float, n_prior: float) -> float:
@@ -305,18 +337,37 @@ def class_model(view: Optional[TuningView], mode: str, workload_class: str, prio
     return a / (a + b), (a, b), draft_rate(cell, params)
 
 
-def cost_per_k(view: Optional[TuningView], mode: str, bucket: str, params: PolicyParams = DEFAULT_PARAMS) -> float:
-    """c for `mode` at `bucket`: measured step time against plain decoding in the same bucket
-    (all classes pooled), blended with the prior by step counts."""
-    prior = prior_cost_per_k(mode, BUCKET_BATCH[bucket], params)
+def step_cost(view: Optional[TuningView], mode: str, bucket: str, params: PolicyParams = DEFAULT_PARAMS,
+              draft_cost: Optional[tuple[float, float]] = None) -> tuple[float, float]:
+    """(f, c) for `mode` at `bucket`. The measured overhead of a step, step time / plain step time
+    - 1 in the same bucket (all classes pooled) at the cells' mean K, scales the prior's f + c·K
+    (one mean K cannot separate the fixed and the per-token part, so the prior's shape is kept);
+    the scale is blended with 1 by step counts.
+
+    >>> v = TuningView("m", {("eagle", "chat", "1"): CellStats(steps=10**6, k_steps=10**6, decode_s=1.5e5),
+    ...                       ("none", "chat", "1"): CellStats(steps=10**6, decode_s=1e5)})
+    >>> [round(x, 3) for x in step_cost(v, "eagle", "1", draft_cost=(0.2, 0.05))]  # prior 0.2 + 0.08 at K = 1
+    [0.357, 0.143]
+    """
+    fixed, per_k = prior_step_cost(mode, BUCKET_BATCH[bucket], params, draft_cost)
     if view is None or mode == SpecMode.NONE.value:
-        return prior if mode != SpecMode.NONE.value else 0.0
+        return fixed, per_k
     spec, plain = view.merged(mode, bucket), view.merged(SpecMode.NONE.value, bucket)
     n = min(spec.steps, plain.steps)
     if n < params.min_cost_steps or spec.mean_k < 0.5 or not plain.step_s:
-        return prior
-    measured = min(max((spec.step_s / plain.step_s - 1.0) / spec.mean_k, 0.0), 2.0)
-    return _blend(measured, n, prior, params.prior_cost_steps)
+        return fixed, per_k
+    at_k = fixed + per_k * spec.mean_k
+    if at_k <= 0:
+        return fixed, per_k
+    measured = min(max(spec.step_s / plain.step_s - 1.0, 0.0), 2.0 * spec.mean_k + 2.0 * fixed)
+    scale = _blend(measured / at_k, n, 1.0, params.prior_cost_steps)
+    return fixed * scale, per_k * scale
+
+
+def cost_per_k(view: Optional[TuningView], mode: str, bucket: str, params: PolicyParams = DEFAULT_PARAMS,
+               draft_cost: Optional[tuple[float, float]] = None) -> float:
+    """c (cost per draft token) of `step_cost`."""
+    return step_cost(view, mode, bucket, params, draft_cost)[1]
 
 
 def step_time_rel(view: Optional[TuningView], bucket: str, params: PolicyParams = DEFAULT_PARAMS) -> float:
@@ -331,9 +382,12 @@ def step_time_rel(view: Optional[TuningView], bucket: str, params: PolicyParams 
     return _blend(max(here.step_s / one.step_s, 0.1), n, prior, params.prior_cost_steps)
 
 
-def score(alpha: float, k: int, cost: float, step_rel: float = 1.0, draft_rate: float = 1.0) -> float:
-    """Expected tokens per unit of batch-1 plain-step time: E(α, K, p) / (step_rel · (1 + c·K))."""
-    return expected_tokens_per_step(alpha, k, draft_rate) / (step_rel * (1.0 + max(cost, 0.0) * k))
+def score(alpha: float, k: int, cost: float, step_rel: float = 1.0, draft_rate: float = 1.0,
+          fixed: float = 0.0) -> float:
+    """Expected tokens per unit of batch-1 plain-step time: E(α, K, p) / (step_rel · (1 + f + c·K)),
+    f (the proposer's fixed cost of a drafting step) paid only for K > 0."""
+    overhead = (max(fixed, 0.0) + max(cost, 0.0) * k) if k > 0 else 0.0
+    return expected_tokens_per_step(alpha, k, draft_rate) / (step_rel * (1.0 + overhead))
 
 
 def best_k(scores: Mapping[int, float], tie_tol: float = DEFAULT_PARAMS.tie_tol) -> int:
@@ -371,6 +425,7 @@ class Candidate:
     step_rel: float
     scores: Mapping[int, float]  # K -> score, K in 0..pool.max_k
     k: int  # chosen K after hysteresis
+    fixed_cost: float = 0.0  # f: the proposer's fixed cost of a drafting step
 
     @property
     def mode(self) -> str:
@@ -381,23 +436,24 @@ class Candidate:
         return self.pool.method != SpecMode.NONE and self.pool.max_k > 0
 
 
-_SCORE_CACHE: dict[tuple, tuple] = {}  # (mode, class, bucket, max_k, step_rel, priors, params) -> (cells, result)
+_SCORE_CACHE: dict[tuple, tuple] = {}  # (mode, class, bucket, max_k, step_rel, priors, draft cost, params) -> (cells, result)
 _SCORE_CACHE_MAX = 4096
 
 
-def _pool_scores(view, mode, workload_class, bucket, max_k, step_rel, priors, params):
-    """(alpha, (a, b), p, cost, {K: score}) of one cell. α and p are learned per (mode, class) over every
+def _pool_scores(view, mode, workload_class, bucket, max_k, step_rel, priors, params, draft_cost=None):
+    """(alpha, (a, b), p, (f, c), {K: score}) of one cell. α and p are learned per (mode, class) over every
     load bucket; the cost per K per bucket. Memoised per view refresh: the result depends only on
     the view's cells (replaced as a whole on each refresh), so the request path pays the posterior
     and cost arithmetic once per cell and refresh, not once per request."""
     cells = view.cells if view is not None else None
-    key = (mode, workload_class, bucket, max_k, step_rel, priors, params)
+    key = (mode, workload_class, bucket, max_k, step_rel, priors, draft_cost, params)
     hit = _SCORE_CACHE.get(key)
     if hit is not None and hit[0] is cells:
         return hit[1]
     alpha, (a, b), p = class_model(view, mode, workload_class, priors, params)
-    cost = cost_per_k(view, mode, bucket, params)
-    result = (alpha, (a, b), p, cost, {k: score(alpha, k, cost, step_rel, p) for k in range(max_k + 1)})
+    fixed, cost = step_cost(view, mode, bucket, params, draft_cost)
+    result = (alpha, (a, b), p, (fixed, cost),
+              {k: score(alpha, k, cost, step_rel, p, fixed) for k in range(max_k + 1)})
     if len(_SCORE_CACHE) >= _SCORE_CACHE_MAX:
         _SCORE_CACHE.clear()
     _SCORE_CACHE[key] = (cells, result)
@@ -431,10 +487,12 @@ def score_pool(pool, workload_class: str, view: Optional[TuningView], params: Po
     max_k = min(max(int(pool.max_k), 0), MAX_K)
     if pool.method == SpecMode.NONE or max_k == 0:
         return Candidate(pool, bucket, 0.0, (0.0, 1.0), 1.0, 0.0, step_rel, {0: score(0.0, 0, 0.0, step_rel)}, 0)
-    alpha, (a, b), p, cost, scores = _pool_scores(view, mode, workload_class, bucket, max_k, step_rel,
-                                                  pool.prior_alpha, params)
+    alpha, (a, b), p, (fixed, cost), scores = _pool_scores(view, mode, workload_class, bucket, max_k, step_rel,
+                                                           pool.prior_alpha, params,
+                                                           getattr(pool, "prior_draft_cost", None))
     incumbent = view.chosen_k.get((mode, workload_class, bucket)) if view is not None else None
-    return Candidate(pool, bucket, alpha, (a, b), p, cost, step_rel, scores, hysteresis_k(scores, incumbent, params))
+    return Candidate(pool, bucket, alpha, (a, b), p, cost, step_rel, scores, hysteresis_k(scores, incumbent, params),
+                     fixed)
 
 
 def _sampled(cand: Candidate, rng: random.Random, params: PolicyParams) -> tuple[float, int]:
@@ -442,7 +500,7 @@ def _sampled(cand: Candidate, rng: random.Random, params: PolicyParams) -> tuple
     if not cand.speculative:
         return cand.scores[0], 0
     alpha = rng.betavariate(*cand.alpha_beta)
-    scores = {k: score(alpha, k, cand.cost, cand.step_rel, cand.draft_rate) for k in cand.scores}
+    scores = {k: score(alpha, k, cand.cost, cand.step_rel, cand.draft_rate, cand.fixed_cost) for k in cand.scores}
     k = best_k(scores, params.tie_tol)
     return scores[k], k
 
@@ -499,7 +557,7 @@ def choose_auto(
     detail = {
         "load_bucket": chosen.bucket, "pool_mode": chosen.mode, "explore": explore,
         "alpha": round(chosen.alpha, 4), "draft_rate": round(chosen.draft_rate, 4),
-        "cost_per_k": round(chosen.cost, 4),
+        "cost_per_k": round(chosen.cost, 4), "cost_per_step": round(chosen.fixed_cost, 4),
         "expected_tokens_per_step": round(expected_tokens_per_step(chosen.alpha, k, chosen.draft_rate), 4),
         "score": round(chosen.scores[k], 4),
         "scores": {c.pool.name: round(c.scores[c.k], 4) for c in cands},
@@ -527,7 +585,7 @@ def class_weights(view: Optional[TuningView], mode: str) -> dict[str, float]:
 
 def k_cap_table(
     mode: str, max_k: int, view: Optional[TuningView], params: PolicyParams = DEFAULT_PARAMS,
-    priors: Mapping[str, float] | tuple = (),
+    priors: Mapping[str, float] | tuple = (), draft_cost: Optional[tuple[float, float]] = None,
 ) -> list[tuple[int, int]]:
     """`k_cap_by_batch` for a pool: [(min_batch_size, k_cap), ...], the format the engine reads.
 
@@ -545,16 +603,16 @@ def k_cap_table(
         alpha, _, p = class_model(view, mode, c, priors, params)
         models[c] = (alpha, p)
     admitted = {}
+    fixed, cost = step_cost(view, mode, "1", params, draft_cost)
     for c in weights:
-        cost = cost_per_k(view, mode, "1", params)
-        admitted[c] = best_k({k: score(models[c][0], k, cost, 1.0, models[c][1]) for k in range(max_k + 1)},
+        admitted[c] = best_k({k: score(models[c][0], k, cost, 1.0, models[c][1], fixed) for k in range(max_k + 1)},
                              params.tie_tol)
     table: list[tuple[int, int]] = []
     previous = max_k
     for start, bucket in LOAD_BUCKETS:
-        cost = cost_per_k(view, mode, bucket, params)
+        fixed, cost = step_cost(view, mode, bucket, params, draft_cost)
         totals = {
-            cap: sum(w * score(models[c][0], min(admitted[c], cap), cost, 1.0, models[c][1])
+            cap: sum(w * score(models[c][0], min(admitted[c], cap), cost, 1.0, models[c][1], fixed)
                      for c, w in weights.items())
             for cap in range(previous + 1)
         }

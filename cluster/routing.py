@@ -31,6 +31,7 @@ class PoolView:
     hardware_group: Optional[str] = None  # pools of one group share hardware (PoolConfig.hardware_group)
     group_load: Optional[float] = None  # requests in flight over every pool of the group (live)
     prior_alpha: tuple[tuple[str, float], ...] = ()  # (workload class or "*", α): measured cold-start priors
+    prior_draft_cost: Optional[tuple[float, float]] = None  # (per step, per token): PoolConfig.prior_draft_cost
 
     @property
     def modes(self) -> tuple[SpecMode, ...]:
@@ -68,6 +69,8 @@ def pool_views(config: ClusterConfig) -> list[PoolView]:
             replicas=p.autoscaling.min_replicas if p.autoscaling else p.replicas,
             max_ongoing_requests=p.max_ongoing_requests, hardware_group=p.hardware_group,
             prior_alpha=tuple(sorted(p.prior_alpha.items())),
+            prior_draft_cost=(p.prior_draft_cost.per_step, p.prior_draft_cost.per_token)
+            if p.prior_draft_cost is not None else None,
         )
         for name, p in config.pools.items()
     ]
@@ -216,7 +219,7 @@ def explain_choices(
             d = choose_auto(loaded, router, wclass, tuning, rng=None)
             rows.append({"batch": batch, "workload_class": wclass, "pool": d.pool, "mode": d.mode.value,
                          "k": d.k, **{f: d.detail.get(f) for f in (
-                             "load_bucket", "alpha", "draft_rate", "cost_per_k", "expected_tokens_per_step",
+                             "load_bucket", "alpha", "draft_rate", "cost_per_k", "cost_per_step", "expected_tokens_per_step",
                              "score", "scores")}})
     return rows
 

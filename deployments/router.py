@@ -160,8 +160,10 @@ class Router:
             from cluster.policy import k_cap_table
 
             pool = self.config.pools[pool_name]
+            draft_cost = ((pool.prior_draft_cost.per_step, pool.prior_draft_cost.per_token)
+                          if pool.prior_draft_cost is not None else None)
             cached = (now, k_cap_table(pool.method.value, pool.max_k, self.tuning.snapshot(model),
-                                       priors=pool.prior_alpha))
+                                       priors=pool.prior_alpha, draft_cost=draft_cost))
             self._caps[pool_name] = cached
         return cached[1]
 

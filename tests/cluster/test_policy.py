@@ -16,7 +16,7 @@ from cluster.config import RouterConfig
 from cluster.policy import (
     BUCKET_BATCH, BUCKET_NAMES, LOAD_BUCKETS, CellStats, PolicyParams, TuningView, alpha_posterior, best_k, choose_auto,
     class_weights, cost_per_k, draft_rate, expected_tokens_per_step, exploration_rate, hysteresis_k, k_cap_table,
-    load_bucket, prior_alpha, prior_cost_per_k, score, step_time_rel, tuning_rows,
+    load_bucket, prior_alpha, prior_cost_per_k, prior_step_cost, score, step_cost, step_time_rel, tuning_rows,
 )
 from cluster.routing import PoolView
 from cluster.speculation import WORKLOAD_CLASSES, SpecMode, SpecStats
@@ -547,3 +547,119 @@ def test_a_busy_shared_machine_keeps_traffic_on_the_busy_engine():
     assert busy.pool == "ngram"
     # and the other way round: with the draft engine busy, requests join it rather than wake n-gram
     assert choose_auto(_grouped(0, 4, 0.6), ROUTER, "chat", None).pool == "draft"
+
+
+# -- the proposer's fixed cost per drafting step (prior_draft_cost) -------------------------------
+
+def eagle(running=0.0, max_k=3, name="eagle", prior=0.19, draft_cost=(0.32, 0.02)):
+    return PoolView(name=name, model="m", method=SpecMode.EAGLE, max_k=max_k, running=running,
+                    prior_alpha=_priors(prior), prior_draft_cost=draft_cost)
+
+
+def test_fixed_cost_is_paid_by_drafting_steps_only():
+    assert score(0.5, 0, 0.1, fixed=0.3) == score(0.5, 0, 0.1) == 1.0
+    assert score(0.5, 2, 0.1, fixed=0.3) == pytest.approx(1.75 / 1.5)
+    assert score(0.5, 2, 0.1, fixed=0.3) < score(0.5, 2, 0.1)
+    assert prior_step_cost("eagle", 1, draft_cost=(0.32, 0.02)) == (0.32, pytest.approx(0.05))
+    assert prior_step_cost("none", 1, draft_cost=(0.32, 0.02)) == (0.0, 0.0)
+    assert prior_step_cost("ngram", 1)[0] == 0.0 < prior_step_cost("eagle", 1)[0]
+    # the per-token part still grows with the batch (verification), the fixed part does not
+    f1, c1 = prior_step_cost("eagle", 1, draft_cost=(0.32, 0.02))
+    f16, c16 = prior_step_cost("eagle", 16, draft_cost=(0.32, 0.02))
+    assert f1 == f16 and c16 > c1
+
+
+def test_measured_eagle_costs_reproduce_what_vllm_measured_here():
+    """BENCHMARKS 9.3: K = 1 and K = 3 steps cost 1.37 and 1.47 plain steps; with the local config's
+    prior the model says the same, where the linear built-in said 1.08 and 1.24."""
+    f, c = prior_step_cost("eagle", 1, draft_cost=(0.32, 0.02))
+    assert 1.0 + f + c * 1 == pytest.approx(1.37, abs=0.01)
+    assert 1.0 + f + c * 3 == pytest.approx(1.47, abs=0.01)
+    # and so the scores say what vLLM measured: eagle:1..3 below plain decoding at the head's α
+    assert all(score(0.19, k, c, fixed=f) < 1.0 for k in (1, 2, 3))
+
+
+def test_low_acceptance_model_drafter_is_not_chosen_cold():
+    """Session 5, r5: with a GPU-like 0.05 per token the cold EAGLE pool (α 0.19) scored 1.10 at K = 1
+    and took creative / chat traffic at 4 streams from the n-gram engine; with its measured cost it
+    scores below plain decoding and traffic stays on the n-gram pool."""
+    ng = replace(ngram(prior=0.62), hardware_group="hw")
+    builtin = replace(eagle(draft_cost=None), hardware_group="hw")
+    measured = replace(eagle(), hardware_group="hw")
+    view = TuningView("m", cells={("ngram", "creative", "1"): CellStats(steps=10**4, exposed_at=(200,))})
+    assert choose_auto([ng, builtin], ROUTER, "creative", view).pool == "eagle"  # the old fault
+    d = choose_auto([ng, measured], ROUTER, "creative", view)
+    assert d.pool == "ngram", d.detail
+    # a high-acceptance class still goes to EAGLE when its α pays for the fixed cost
+    good = replace(eagle(prior=0.8), hardware_group="hw")
+    assert choose_auto([replace(ngram(prior=0.05), hardware_group="hw"), good], ROUTER, "math", None).pool == "eagle"
+
+
+def _eagle_view(overhead, mean_k, steps):
+    spec = CellStats(steps=steps, k_steps=mean_k * steps, decode_s=0.01 * (1 + overhead) * steps)
+    plain_cell = CellStats(steps=steps, decode_s=0.01 * steps)
+    return TuningView("m", cells={("eagle", "chat", "1"): spec, ("none", "chat", "1"): plain_cell})
+
+
+def test_measured_overhead_scales_both_terms_and_keeps_the_priors_shape():
+    prior = (0.32, 0.02)
+    f0, c0 = prior_step_cost("eagle", 1, draft_cost=prior)
+    # below min_cost_steps: the prior
+    assert step_cost(_eagle_view(1.0, 1, P.min_cost_steps - 1), "eagle", "1", draft_cost=prior) == (f0, c0)
+    # plenty of steps at mean K 2 measuring an overhead of 0.84 (twice the prior's 0.42)
+    f, c = step_cost(_eagle_view(0.84, 2, 10**7), "eagle", "1", draft_cost=prior)
+    assert f + 2 * c == pytest.approx(0.84, rel=1e-3) and f / c == pytest.approx(f0 / c0)
+    # few steps: between the prior and the measurement
+    fm, cm = step_cost(_eagle_view(0.84, 2, 500), "eagle", "1", draft_cost=prior)
+    assert f0 < fm < f and c0 < cm < c
+    # absurd data is clamped; free drafting reads as no cost, not negative
+    assert sum(step_cost(_eagle_view(1000.0, 1, 10**7), "eagle", "1", draft_cost=prior)) <= 2 + 2 * 0.32 + 1e-9
+    assert step_cost(_eagle_view(-0.5, 1, 10**7), "eagle", "1", draft_cost=prior)[0] >= 0.0
+    # n-gram (no fixed cost): the same c = overhead / mean K as before
+    assert cost_per_k(_cost_view(0.013, 0.010, steps=10**7), "ngram", "1") == pytest.approx(0.1, abs=0.001)
+
+
+def test_cap_table_counts_the_fixed_cost():
+    # α 0.19 with the measured fixed cost: never worth drafting, at any load
+    assert k_cap_table("eagle", 3, None, priors=(("*", 0.19),), draft_cost=(0.32, 0.02)) == [(1, 0)]
+    # α 0.8: worth it idle, and the fixed cost does not change the cap's shape under load
+    table = k_cap_table("eagle", 3, None, priors=(("*", 0.8),), draft_cost=(0.32, 0.02))
+    assert table[0] == (1, 3) and [c for _, c in table] == sorted((c for _, c in table), reverse=True)
+
+
+def test_pool_config_prior_draft_cost():
+    from cluster.config import ConfigError, parse_config
+    from cluster.routing import pool_views
+
+    raw = {"models": {"m": {"source": "hub/x"}, "d": {"source": "hub/d"}},
+           "pools": {"p": {"model": "m", "method": "eagle", "drafter": "d", "max_k": 2,
+                           "prior_draft_cost": {"per_step": 0.3, "per_token": 0.02}}}}
+    cfg = parse_config(raw)
+    assert [v.prior_draft_cost for v in pool_views(cfg)] == [(0.3, 0.02)]
+    for bad, words in (({"per_step": -1}, "per_step"), ({"fixed": 0.3}, "fixed")):
+        raw["pools"]["p"]["prior_draft_cost"] = bad
+        with pytest.raises(ConfigError, match=words) as e:
+            parse_config(raw)
+        assert "prior_draft_cost" in str(e.value)
+
+
+def test_local_config_cold_start_keeps_low_acceptance_classes_off_the_eagle_pool():
+    """The shipped local config, cold (no tuning state): no class goes to the EAGLE pool at K > 0 at
+    any batch, because its priors say it measured below plain decoding on this CPU (BENCHMARKS 9.3)."""
+    from pathlib import Path
+
+    from cluster.config import load_config
+    from cluster.routing import explain_choices, pool_views
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "cluster/configs/local-cpu.yaml")
+    rows = explain_choices(pool_views(cfg), cfg.router, None, WORKLOAD_CLASSES, (1, 4, 16))
+    assert rows and all(r["mode"] != "eagle" for r in rows), [r for r in rows if r["mode"] == "eagle"]
+    assert any(r["mode"] == "ngram" and r["k"] >= 3 for r in rows if r["batch"] == 1)
+
+
+def test_cell_sum_keeps_exposure_without_acceptance():
+    # a cell whose drafts were never accepted still records how often it drafted (its p)
+    a = CellStats(steps=100, exposed_at=(20, 5))
+    b = CellStats(steps=100, accepted_at=(1,), exposed_at=(10,))
+    assert (a + b).exposed_at == (30, 5) and (a + b).accepted_at == (1, 0)
+    assert (a + CellStats()).draft_rate == pytest.approx(0.2)

@@ -303,18 +303,25 @@ def cmd_tuning(args) -> int:
             "samples", "acceptance_per_position"]
     print(f"# tuning state at {cfg.redis.url} (redis {'reachable' if reachable else 'NOT reachable'}), "
           f"{len(rows)} cells")
+    _print_tsv(cols, rows)
+    return 0
+
+
+def _tsv_cell(v) -> str:
+    """One table cell: floats to 3 decimals, lists comma-joined, dicts as `key=value` pairs."""
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    if isinstance(v, list):
+        return ",".join(f"{x:.2f}" if isinstance(x, float) else str(x) for x in v)
+    if isinstance(v, dict):
+        return " ".join(f"{k}={_tsv_cell(x)}" for k, x in v.items())
+    return "" if v is None else str(v)
+
+
+def _print_tsv(cols: list[str], rows: list[dict]) -> None:
     print("\t".join(cols))
     for row in rows:
-        cells = []
-        for c in cols:
-            v = row.get(c, "")
-            if isinstance(v, float):
-                v = f"{v:.3f}"
-            elif isinstance(v, list):
-                v = ",".join(f"{x:.2f}" for x in v)
-            cells.append(str(v))
-        print("\t".join(cells))
-    return 0
+        print("\t".join(_tsv_cell(row.get(c)) for c in cols))
 
 
 def _print_explain(cfg, store, models, args, reachable: bool) -> int:
@@ -339,10 +346,7 @@ def _print_explain(cfg, store, models, args, reachable: bool) -> int:
           f"(redis {'reachable' if reachable else 'NOT reachable: cold-start priors'})")
     cols = ["model", "batch", "workload_class", "pool", "mode", "k", "alpha", "draft_rate", "cost_per_step", "cost_per_k",
             "expected_tokens_per_step", "score", "scores"]
-    print("\t".join(cols))
-    for r in rows:
-        print("\t".join(" ".join(f"{p}={s}" for p, s in r[c].items()) if isinstance(r[c], dict) else str(r[c])
-                        for c in cols))
+    _print_tsv(cols, rows)
     return 0
 
 

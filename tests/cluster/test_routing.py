@@ -111,3 +111,33 @@ def test_explain_choices_cold_start_without_a_view():
     rows = explain_choices([ngram], ROUTER, None, ("chat",), (1,))
     assert len(rows) == 1 and rows[0]["pool"] == "ngram" and 1 <= rows[0]["k"] <= 4
     assert rows[0]["alpha"] == 0.7
+
+
+def test_tuning_explain_command_prints_cold_start_choices_when_redis_is_unreachable(tmp_path, capsys):
+    """`specserve tuning --explain` on the shipped local config with nothing listening at its Redis
+    URL: it says so and prints the cold-start choice per class and batch (one TSV table)."""
+    import socket
+    from pathlib import Path
+
+    import yaml
+
+    from cluster.cli import main
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "cluster/configs/local-cpu.yaml").read_text())
+    raw["redis"] = {**raw["redis"], "url": f"redis://127.0.0.1:{port}/0", "start_local": False}
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    assert main(["tuning", "--config", str(cfg), "--explain", "--batches", "1,16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "NOT reachable" in lines[0]
+    header = lines[1].split("\t")
+    rows = [dict(zip(header, line.split("\t"))) for line in lines[2:]]
+    assert len(rows) == 2 * 11 and {r["batch"] for r in rows} == {"1", "16"}
+    assert all(r["mode"] in ("ngram", "none") for r in rows)  # the EAGLE head does not pay here, cold
+    assert all("ngram=" in r["scores"] and "draft=" in r["scores"] for r in rows)
+    assert float(next(r for r in rows if r["workload_class"] == "translation" and r["batch"] == "1")["k"]) >= 4
+    assert main(["tuning", "--config", str(cfg), "--explain", "--batches", "1,x"]) == 2
+    assert "--batches" in capsys.readouterr().err

@@ -370,8 +370,7 @@ def cost_per_k(view: Optional[TuningView], mode: str, bucket: str, params: Polic
     return step_cost(view, mode, bucket, params, draft_cost)[1]
 
 
-def step_time_rel(view: Optional[TuningView], bucket: str, params: PolicyParams = DEFAULT_PARAMS) -> float:
-    """Plain step time at `bucket` relative to batch 1 (measured when both buckets have data)."""
+def _bucket_step_rel(view: Optional[TuningView], bucket: str, params: PolicyParams) -> float:
     prior = 1.0 + params.step_time_per_batch * (BUCKET_BATCH[bucket] - 1.0)
     if view is None or bucket == "1":
         return prior
@@ -380,6 +379,14 @@ def step_time_rel(view: Optional[TuningView], bucket: str, params: PolicyParams 
     if n < params.min_cost_steps or not here.step_s or not one.step_s:
         return prior
     return _blend(max(here.step_s / one.step_s, 0.1), n, prior, params.prior_cost_steps)
+
+
+def step_time_rel(view: Optional[TuningView], bucket: str, params: PolicyParams = DEFAULT_PARAMS) -> float:
+    """Plain step time at `bucket` relative to batch 1 (measured when both buckets have data), never
+    below a smaller bucket's: a larger batch does not step faster, and noisy cells said so (after
+    session 5's r6: 1.72 at batch 2-3, 1.36 at 4-7)."""
+    order = BUCKET_NAMES.index(bucket)
+    return max(_bucket_step_rel(view, b, params) for b in BUCKET_NAMES[:order + 1])
 
 
 def score(alpha: float, k: int, cost: float, step_rel: float = 1.0, draft_rate: float = 1.0,
@@ -469,13 +476,18 @@ def joining_step_rel(pool, view: Optional[TuningView], params: PolicyParams = DE
     engines' step times, t(own batch + 1) + t(the others' batch), not the step time of one batch of
     the group's size. (Measured: at 4 streams, `auto` sending a quarter of its requests to an idle
     second pool on the same two cores read 0.71 of plain decoding in one engine.) Joining the engine
-    that is already busy stays one batch, t(group + 1)."""
+    that is already busy stays one batch, t(group + 1). Splitting is never cheaper than one batch of
+    everything (the same cores do both engines' work, and a batch verifies more cheaply than two), so
+    the split is at least t(group + 1): with bucketed step times, t(1) + t(15) read 4.6 plain steps
+    against t(16) = 6.6 in r6 (batch 15 in the 8-15 bucket, 16 in 16+), and 37 of 256 requests at 32
+    streams went to the idle EAGLE engine, 0.91 of plain decoding in one engine."""
     if pool.hardware_group is None or pool.group_load is None:
         return step_time_rel(view, load_bucket(pool.load_batch + 1.0), params)
     others = max(float(pool.group_load) - float(pool.running), 0.0)
     rel = step_time_rel(view, load_bucket(pool.batch_per_replica + 1.0), params)
     if others > 0:
-        rel += step_time_rel(view, load_bucket(others), params)
+        rel = max(rel + step_time_rel(view, load_bucket(others), params),
+                  step_time_rel(view, load_bucket(float(pool.group_load) + 1.0), params))
     return rel
 
 

@@ -663,3 +663,33 @@ def test_cell_sum_keeps_exposure_without_acceptance():
     b = CellStats(steps=100, accepted_at=(1,), exposed_at=(10,))
     assert (a + b).exposed_at == (30, 5) and (a + b).accepted_at == (1, 0)
     assert (a + CellStats()).draft_rate == pytest.approx(0.2)
+
+
+def _plain_steps(ms_by_bucket):
+    return TuningView("m", cells={("none", "chat", b): CellStats(steps=10**6, decode_s=ms * 1e-3 * 10**6)
+                                  for b, ms in ms_by_bucket.items()})
+
+
+def test_step_time_never_falls_with_load():
+    # r6's measured cells: 2-3 read slower than 4-7 (noise); the larger bucket takes the smaller's
+    view = _plain_steps({"1": 100, "2-3": 172, "4-7": 136, "8-15": 363, "16+": 664})
+    rel = [step_time_rel(view, b) for b in BUCKET_NAMES]
+    assert rel == sorted(rel) and rel[2] == pytest.approx(rel[1])
+    assert rel[4] == pytest.approx(6.64, abs=0.01)
+
+
+def test_splitting_a_shared_machine_is_never_cheaper_than_one_batch():
+    """r6 at 32 streams: with measured buckets (8-15 at 3.6 plain steps, 16+ at 6.6) a request joining
+    the idle EAGLE engine while the n-gram engine held 15 read t(1) + t(15) = 4.6 against t(16) = 6.6,
+    and 37 of 256 plain-decoding requests went to the second engine on the same two cores."""
+    from cluster.policy import joining_step_rel
+    from cluster.routing import with_load
+
+    view = _plain_steps({"1": 100, "2-3": 172, "4-7": 136, "8-15": 363, "16+": 664})
+    views = [replace(ngram(prior=0.62), hardware_group="hw"), replace(eagle(), hardware_group="hw")]
+    for busy in (1, 3, 7, 15, 20, 31):
+        ng, dr = with_load(views, {"ngram": busy, "draft": 0})
+        dr = replace(dr, name="draft")
+        assert joining_step_rel(dr, view) >= joining_step_rel(ng, view), busy
+        for wc in ("math", "chat", "summarization", "creative"):
+            assert choose_auto([ng, dr], ROUTER, wc, view).pool == "ngram", (busy, wc)

@@ -501,7 +501,7 @@ def score_pool(pool, workload_class: str, view: Optional[TuningView], params: Po
         return Candidate(pool, bucket, 0.0, (0.0, 1.0), 1.0, 0.0, step_rel, {0: score(0.0, 0, 0.0, step_rel)}, 0)
     alpha, (a, b), p, (fixed, cost), scores = _pool_scores(view, mode, workload_class, bucket, max_k, step_rel,
                                                            pool.prior_alpha, params,
-                                                           getattr(pool, "prior_draft_cost", None))
+                                                           pool.prior_draft_cost)
     incumbent = view.chosen_k.get((mode, workload_class, bucket)) if view is not None else None
     return Candidate(pool, bucket, alpha, (a, b), p, cost, step_rel, scores, hysteresis_k(scores, incumbent, params),
                      fixed)

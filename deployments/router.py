@@ -159,11 +159,9 @@ class Router:
         if cached is None or now - cached[0] > max_age_s:
             from cluster.policy import k_cap_table
 
-            pool = self.config.pools[pool_name]
-            draft_cost = ((pool.prior_draft_cost.per_step, pool.prior_draft_cost.per_token)
-                          if pool.prior_draft_cost is not None else None)
+            pool = self.views[pool_name]  # the config's priors, as the policy reads them (routing.pool_views)
             cached = (now, k_cap_table(pool.method.value, pool.max_k, self.tuning.snapshot(model),
-                                       priors=pool.prior_alpha, draft_cost=draft_cost))
+                                       priors=pool.prior_alpha, draft_cost=pool.prior_draft_cost))
             self._caps[pool_name] = cached
         return cached[1]
 

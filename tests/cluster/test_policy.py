@@ -686,10 +686,9 @@ def test_splitting_a_shared_machine_is_never_cheaper_than_one_batch():
     from cluster.routing import with_load
 
     view = _plain_steps({"1": 100, "2-3": 172, "4-7": 136, "8-15": 363, "16+": 664})
-    views = [replace(ngram(prior=0.62), hardware_group="hw"), replace(eagle(), hardware_group="hw")]
+    views = [replace(ngram(prior=0.62), hardware_group="hw"), replace(eagle(name="draft"), hardware_group="hw")]
     for busy in (1, 3, 7, 15, 20, 31):
         ng, dr = with_load(views, {"ngram": busy, "draft": 0})
-        dr = replace(dr, name="draft")
         assert joining_step_rel(dr, view) >= joining_step_rel(ng, view), busy
         for wc in ("math", "chat", "summarization", "creative"):
             assert choose_auto([ng, dr], ROUTER, wc, view).pool == "ngram", (busy, wc)

@@ -289,3 +289,21 @@ def test_a_report_taken_before_a_request_finished_does_not_count_it():
     # a report taken after the request finished is believed as it is
     router.engine_load["ngram"]["r2"] = (router_mod.time.monotonic(), 3.0)
     assert {v.name: v.running for v in router._live_pools("smollm2-135m")}["ngram"] == 3.0
+
+
+def test_policy_cap_table_uses_the_pools_configured_priors():
+    """The per-step K cap a policy-decided request carries is computed with its pool's configured
+    `prior_alpha` and `prior_draft_cost` (local config: the EAGLE head at α 0.19 with its measured
+    fixed cost never pays, so its cap is 0 at every batch; n-gram drafts deep when idle)."""
+    from cluster.policy import k_cap_table
+
+    class ColdTuning:  # no state yet: the priors alone
+        def snapshot(self, model):
+            return None
+
+    router, _ = make_router(lambda: FakeCall([]))
+    router.tuning = ColdTuning()
+    assert router._cap_table("smollm2-135m", "draft") == [(1, 0)]
+    # without the measured draft cost the same pool would be allowed to draft
+    assert k_cap_table("eagle", 3, None, priors=router.views["draft"].prior_alpha)[0][1] > 0
+    assert router._cap_table("smollm2-135m", "ngram")[0] == (1, 6)

@@ -56,6 +56,7 @@ class SpecInfo:
     acceptance_rate: float = 0.0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
+    run_lengths: list[int] = field(default_factory=list)  # [L] = accepted runs of L tokens
     token_ids: list[int] = field(default_factory=list)
     ttft_s: Optional[float] = None  # measured by the server
     latency_s: Optional[float] = None  # measured by the server
@@ -77,6 +78,7 @@ class SpecInfo:
             acceptance_rate=float(d.get("acceptance_rate") or 0.0),
             accepted_per_position=[int(x) for x in d.get("accepted_per_position") or []],
             drafted_per_position=[int(x) for x in d.get("drafted_per_position") or []],
+            run_lengths=[int(x) for x in d.get("run_lengths") or []],
             token_ids=[int(t) for t in d.get("token_ids") or []],
             ttft_s=_opt_float(d.get("ttft_s")), latency_s=_opt_float(d.get("latency_s")),
             logprobs=None if lps is None else [{int(t): float(v) for t, v in pos.items()} for pos in lps],
@@ -86,7 +88,8 @@ class SpecInfo:
         return SpecStats(mode=self.mode, k=self.k, steps=self.steps, spec_steps=self.spec_steps,
                          drafted=self.drafted, accepted=self.accepted,
                          accepted_per_position=list(self.accepted_per_position),
-                         drafted_per_position=list(self.drafted_per_position))
+                         drafted_per_position=list(self.drafted_per_position),
+                         run_lengths=list(self.run_lengths))
 
 
 @dataclass

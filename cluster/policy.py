@@ -15,6 +15,16 @@ pool's per-step `k_cap_by_batch` table from the same state. Words are those of
   (Folding the draftless steps into α as rejections, as this module first did, put α for n-gram
   at 0.10-0.30 where the drafted tokens were accepted at 0.6-0.9, and the policy chose K = 1 where
   K = 4-5 was fastest.)
+- **accepted runs**: drafts come in bursts (n-gram lookup copies a span whole or misses at once),
+  not independently per position, and a run that K cuts short goes on in the next step. Each
+  response reports its runs (`cluster.speculation.accepted_runs`: [L] = runs of L tokens, a
+  property of the text and the proposer, not of K), the tuning state sums them per class, and
+  E_run(K) = (D + sum (L + 1)·g_L) / (D + sum g_L·ceil((L + 1) / (K + 1))) (D: draftless steps)
+  is exact where the geometric E is not: it knows that K = 5 saves no step over K = 4 on a copy of
+  12 tokens. E(K) blends E_run with the geometric E (the prior) by the runs' count against
+  `prior_runs`. (Found in session 6's r7: fitted at K = 6, the geometric model expected ~10% more
+  tokens per step from K = 6 than from K = 4 for summarization, where the same prompts measured
+  1.88 and 1.83, so auto paid for two more draft tokens per step that bought nothing.)
 - **rejected steps**: steps that ended on a rejected draft, or drafted nothing (the tuning state
   counts both). The draftless ones (steps minus the exposure of draft position 0) are taken out
   for α: its estimate is accepted / (accepted + rejected drafting steps), the maximum-likelihood
@@ -32,7 +42,7 @@ pool's per-step `k_cap_by_batch` table from the same state. Words are those of
   (A linear 1 + c·K with a GPU-like c = 0.05 for EAGLE let K = 1 look 10% faster than plain
   decoding for classes the head drafts at α ≈ 0.2, where it measured 0.85x.)
 - **score** of (pool, K): expected output tokens per unit of plain-step time at batch 1,
-  E(α, K, p) / (step_rel(batch) · (1 + f + c·K)) — proportional to the request's tokens per second.
+  E(K) / (step_rel(batch) · (1 + f + c·K)) — proportional to the request's tokens per second.
 - **load bucket**: the batch the request joins (`PoolView.load_batch + 1`: the pool's batch per
   replica, or the whole hardware group's load when pools share hardware) bucketed as
   1, 2-3, 4-7, 8-15, 16+. A request is decided in the bucket of its admission; its statistics are
@@ -41,14 +51,14 @@ pool's per-step `k_cap_by_batch` table from the same state. Words are those of
   request joining an idle one while another is busy meets both engines' steps
   (`joining_step_rel`), so traffic stays on the busy engine unless the other is far better.
 
-α and p are learned per (mode, workload class) from every load bucket's traffic (acceptance
+α, p and the runs are learned per (mode, workload class) from every load bucket's traffic (acceptance
 depends on the text and the drafter, not on the batch); cost per K and step time per bucket. Cold
 start uses priors (p = 1 until steps say otherwise): the pool's measured `prior_alpha` when
 configured, else a Spec-Bench-like table (n-gram α
 per class; at batch 16 speculation costs throughput, 63.8 vs 70.1 tok/s here), and converges
 from live traffic as counts outweigh the prior's pseudo-counts. Exploration: with probability ε
-(shrinking with data) every pool draws α from its Beta posterior and the best sampled (pool, K)
-wins (Thompson sampling), so a confidently worse pool is almost never tried; counts are capped
+(shrinking with data) every pool draws α from its Beta posterior and its run shares from their
+Dirichlet posterior, and the best sampled (pool, K) wins (Thompson sampling), so a confidently worse pool is almost never tried; counts are capped
 so the posterior never freezes. Hysteresis: the incumbent K of a (mode, class, bucket) is kept
 unless another K beats it by `margin`. Ties (within `tie_tol`) go to the cheapest proposer for
 K = 0, then to the less loaded pool, or, for pools that share hardware, to the busier one.
@@ -103,6 +113,7 @@ class PolicyParams:
 
     prior_trials: float = 100.0  # pseudo-count of the α prior (accepted + rejected steps)
     prior_draft_steps: float = 100.0  # pseudo-count of the draft-rate prior p = 1 (steps)
+    prior_runs: float = 30.0  # weight, in accepted runs, of the geometric model against the measured runs
     prior_cost_steps: float = 500.0  # pseudo-count of the cost prior (steps)
     min_cost_steps: int = 200  # steps a cell needs before its step time is used at all
     max_effective_trials: float = 5000.0  # counts are scaled down to this, so the posterior never freezes
@@ -135,6 +146,7 @@ class CellStats:
     decode_s: float = 0.0  # request time after the first token
     accepted_at: tuple[int, ...] = ()  # [i] = steps in which draft position i was accepted
     exposed_at: tuple[int, ...] = ()  # [i] = steps in which draft position i was drafted
+    runs: tuple[int, ...] = ()  # [L] = accepted runs of L tokens (cluster.speculation.accepted_runs)
     updated_unix_s: float = 0.0
 
     @property
@@ -189,8 +201,18 @@ class CellStats:
             tokens=self.tokens + other.tokens, decode_s=self.decode_s + other.decode_s,
             accepted_at=tuple(a + b for a, b in zip(pad(self.accepted_at), pad(other.accepted_at))),
             exposed_at=tuple(a + b for a, b in zip(pad(self.exposed_at), pad(other.exposed_at))),
+            runs=_add_counts(self.runs, other.runs),
             updated_unix_s=max(self.updated_unix_s, other.updated_unix_s),
         )
+
+    @property
+    def draftless_steps(self) -> int:
+        return self.steps - self.drafting_steps
+
+
+def _add_counts(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    n = max(len(a), len(b))
+    return tuple(x + y for x, y in zip(tuple(a) + (0,) * (n - len(a)), tuple(b) + (0,) * (n - len(b))))
 
 
 CellKey = tuple[str, str, str]  # (mode, workload class, load bucket)
@@ -262,6 +284,52 @@ def expected_tokens_per_step(alpha: float, k: int, draft_rate: float = 1.0) -> f
     if alpha >= 1.0:
         return 1.0 + p * k
     return 1.0 + p * ((1.0 - alpha ** (k + 1)) / (1.0 - alpha) - 1.0)
+
+
+def run_tokens_per_step(runs, draftless: float, k: int) -> float:
+    """Output tokens per step with K from measured accepted runs ([L] = runs of L tokens) and the
+    steps that drafted nothing: a run of L takes ceil((L + 1) / (K + 1)) steps for its L + 1 tokens
+    (the bonus token included), a draftless step 1 for 1, so
+    E_run(K) = (D + sum (L + 1)·g_L) / (D + sum g_L·ceil((L + 1) / (K + 1))).
+    Unlike the geometric model it knows that drafts come in bursts: a run K cuts short goes on in
+    the next step, so a K past the typical run saves few steps.
+
+    >>> round(run_tokens_per_step([0, 0, 0, 0, 0, 0, 0, 0, 0, 1], 0, 4), 3)  # 10 tokens in 2 steps
+    5.0
+    >>> round(run_tokens_per_step([0, 0, 0, 0, 0, 0, 0, 0, 0, 1], 0, 6), 3)  # K = 6 also takes 2
+    5.0
+    >>> run_tokens_per_step([5, 1], 4.0, 0)
+    1.0
+    """
+    if k <= 0:
+        return 1.0
+    tokens = float(draftless) + sum((length + 1) * g for length, g in enumerate(runs))
+    steps = float(draftless) + sum(g * -(-(length + 1) // (k + 1)) for length, g in enumerate(runs))
+    return tokens / steps if steps > 0 else 1.0
+
+
+def expected_tokens(alpha: float, k: int, draft_rate: float = 1.0, runs=(), draftless: float = 0.0,
+                    params: "PolicyParams" = None) -> float:
+    """E(K): the geometric E(α, K, p) blended with the measured runs' E_run(K), the runs weighted by
+    their count against `prior_runs` (the geometric model is the prior; with no runs it is E).
+
+    Bursty drafts, 100 runs (60 rejected at once, 20 copies of 12 tokens) and 150 draftless steps:
+    K = 5 buys nothing over K = 4 (a 12-token copy takes 3 steps with either), which the geometric
+    model (α 0.77, p 0.35) cannot see:
+
+    >>> runs = [60, 10, 5, 5] + [0] * 8 + [20]
+    >>> [round(expected_tokens(0.77, k, 0.35), 3) for k in (4, 5)]
+    [1.76, 1.855]
+    >>> [round(expected_tokens(0.77, k, 0.35, runs, 150.0), 3) for k in (4, 5)]
+    [1.799, 1.821]
+    """
+    params = params if params is not None else DEFAULT_PARAMS
+    geometric = expected_tokens_per_step(alpha, k, draft_rate)
+    n = float(sum(runs))
+    if k <= 0 or n <= 0:
+        return geometric
+    w = n / (n + params.prior_runs)
+    return w * run_tokens_per_step(runs, draftless, k) + (1.0 - w) * geometric
 
 
 def prior_alpha(mode: str, workload_class: str, measured: Mapping[str, float] | tuple = ()) -> float:
@@ -389,12 +457,24 @@ def step_time_rel(view: Optional[TuningView], bucket: str, params: PolicyParams 
     return max(_bucket_step_rel(view, b, params) for b in BUCKET_NAMES[:order + 1])
 
 
+def score_tokens(tokens: float, k: int, cost: float, step_rel: float = 1.0, fixed: float = 0.0) -> float:
+    """Expected tokens per unit of batch-1 plain-step time: E / (step_rel · (1 + f + c·K)) for E
+    expected output tokens per step, f (the proposer's fixed cost of a drafting step) paid only for
+    K > 0."""
+    overhead = (max(fixed, 0.0) + max(cost, 0.0) * k) if k > 0 else 0.0
+    return tokens / (step_rel * (1.0 + overhead))
+
+
 def score(alpha: float, k: int, cost: float, step_rel: float = 1.0, draft_rate: float = 1.0,
           fixed: float = 0.0) -> float:
-    """Expected tokens per unit of batch-1 plain-step time: E(α, K, p) / (step_rel · (1 + f + c·K)),
-    f (the proposer's fixed cost of a drafting step) paid only for K > 0."""
-    overhead = (max(fixed, 0.0) + max(cost, 0.0) * k) if k > 0 else 0.0
-    return expected_tokens_per_step(alpha, k, draft_rate) / (step_rel * (1.0 + overhead))
+    """`score_tokens` of the geometric E(α, K, p)."""
+    return score_tokens(expected_tokens_per_step(alpha, k, draft_rate), k, cost, step_rel, fixed)
+
+
+def class_runs(view: Optional[TuningView], mode: str, workload_class: str) -> tuple[tuple[int, ...], float]:
+    """(accepted runs, draftless steps) of `mode` for `workload_class` over every load bucket."""
+    cell = view.class_cell(mode, workload_class) if view is not None else _ZERO
+    return (cell.runs, float(cell.draftless_steps)) if cell.runs else ((), 0.0)
 
 
 def best_k(scores: Mapping[int, float], tie_tol: float = DEFAULT_PARAMS.tie_tol) -> int:
@@ -433,6 +513,14 @@ class Candidate:
     scores: Mapping[int, float]  # K -> score, K in 0..pool.max_k
     k: int  # chosen K after hysteresis
     fixed_cost: float = 0.0  # f: the proposer's fixed cost of a drafting step
+    runs: tuple[int, ...] = ()  # measured accepted runs of the class ([L] = runs of L tokens)
+    draftless: float = 0.0  # ... and its steps that drafted nothing
+
+    def expected(self, k: int, alpha: Optional[float] = None, runs=None,
+                 params: "PolicyParams" = None) -> float:
+        """E(K) of this candidate (at its posterior mean α unless one is given)."""
+        return expected_tokens(self.alpha if alpha is None else alpha, k, self.draft_rate,
+                               self.runs if runs is None else runs, self.draftless, params)
 
     @property
     def mode(self) -> str:
@@ -448,7 +536,7 @@ _SCORE_CACHE_MAX = 4096
 
 
 def _pool_scores(view, mode, workload_class, bucket, max_k, step_rel, priors, params, draft_cost=None):
-    """(alpha, (a, b), p, (f, c), {K: score}) of one cell. α and p are learned per (mode, class) over every
+    """(alpha, (a, b), p, (f, c), runs, {K: score}) of one cell. α, p and the runs are learned per (mode, class) over every
     load bucket; the cost per K per bucket. Memoised per view refresh: the result depends only on
     the view's cells (replaced as a whole on each refresh), so the request path pays the posterior
     and cost arithmetic once per cell and refresh, not once per request."""
@@ -458,9 +546,11 @@ def _pool_scores(view, mode, workload_class, bucket, max_k, step_rel, priors, pa
     if hit is not None and hit[0] is cells:
         return hit[1]
     alpha, (a, b), p = class_model(view, mode, workload_class, priors, params)
+    runs, draftless = class_runs(view, mode, workload_class)
     fixed, cost = step_cost(view, mode, bucket, params, draft_cost)
-    result = (alpha, (a, b), p, (fixed, cost),
-              {k: score(alpha, k, cost, step_rel, p, fixed) for k in range(max_k + 1)})
+    result = (alpha, (a, b), p, (fixed, cost), (runs, draftless),
+              {k: score_tokens(expected_tokens(alpha, k, p, runs, draftless, params), k, cost, step_rel, fixed)
+               for k in range(max_k + 1)})
     if len(_SCORE_CACHE) >= _SCORE_CACHE_MAX:
         _SCORE_CACHE.clear()
     _SCORE_CACHE[key] = (cells, result)
@@ -499,20 +589,27 @@ def score_pool(pool, workload_class: str, view: Optional[TuningView], params: Po
     max_k = min(max(int(pool.max_k), 0), MAX_K)
     if pool.method == SpecMode.NONE or max_k == 0:
         return Candidate(pool, bucket, 0.0, (0.0, 1.0), 1.0, 0.0, step_rel, {0: score(0.0, 0, 0.0, step_rel)}, 0)
-    alpha, (a, b), p, (fixed, cost), scores = _pool_scores(view, mode, workload_class, bucket, max_k, step_rel,
-                                                           pool.prior_alpha, params,
-                                                           pool.prior_draft_cost)
+    alpha, (a, b), p, (fixed, cost), (runs, draftless), scores = _pool_scores(
+        view, mode, workload_class, bucket, max_k, step_rel, pool.prior_alpha, params, pool.prior_draft_cost)
     incumbent = view.chosen_k.get((mode, workload_class, bucket)) if view is not None else None
     return Candidate(pool, bucket, alpha, (a, b), p, cost, step_rel, scores, hysteresis_k(scores, incumbent, params),
-                     fixed)
+                     fixed, runs, draftless)
 
 
 def _sampled(cand: Candidate, rng: random.Random, params: PolicyParams) -> tuple[float, int]:
-    """Thompson sampling: (score, K) of the K that is best for an α drawn from the posterior."""
+    """Thompson sampling: (score, K) of the K that is best for an α drawn from its Beta posterior
+    and run shares drawn from their Dirichlet posterior (each run length's share ~ Gamma(count))."""
     if not cand.speculative:
         return cand.scores[0], 0
     alpha = rng.betavariate(*cand.alpha_beta)
-    scores = {k: score(alpha, k, cand.cost, cand.step_rel, cand.draft_rate, cand.fixed_cost) for k in cand.scores}
+    runs = cand.runs
+    if runs:
+        n = float(sum(runs))
+        draws = [rng.gammavariate(g, 1.0) if g > 0 else 0.0 for g in runs]
+        total = sum(draws)
+        runs = tuple(d * n / total for d in draws) if total > 0 else runs
+    scores = {k: score_tokens(cand.expected(k, alpha, runs, params), k, cand.cost, cand.step_rel, cand.fixed_cost)
+              for k in cand.scores}
     k = best_k(scores, params.tie_tol)
     return scores[k], k
 
@@ -570,7 +667,7 @@ def choose_auto(
         "load_bucket": chosen.bucket, "pool_mode": chosen.mode, "explore": explore,
         "alpha": round(chosen.alpha, 4), "draft_rate": round(chosen.draft_rate, 4),
         "cost_per_k": round(chosen.cost, 4), "cost_per_step": round(chosen.fixed_cost, 4),
-        "expected_tokens_per_step": round(expected_tokens_per_step(chosen.alpha, k, chosen.draft_rate), 4),
+        "expected_tokens_per_step": round(chosen.expected(k, params=params), 4),
         "score": round(chosen.scores[k], 4),
         "scores": {c.pool.name: round(c.scores[c.k], 4) for c in cands},
     }
@@ -610,21 +707,22 @@ def k_cap_table(
         return [(1, 0)]
     weights = class_weights(view, mode)
 
-    models = {}  # class -> (α, p)
+    tokens = {}  # class -> [E(K) for K in 0..max_k]
     for c in weights:
         alpha, _, p = class_model(view, mode, c, priors, params)
-        models[c] = (alpha, p)
+        runs, draftless = class_runs(view, mode, c)
+        tokens[c] = [expected_tokens(alpha, k, p, runs, draftless, params) for k in range(max_k + 1)]
     admitted = {}
     fixed, cost = step_cost(view, mode, "1", params, draft_cost)
     for c in weights:
-        admitted[c] = best_k({k: score(models[c][0], k, cost, 1.0, models[c][1], fixed) for k in range(max_k + 1)},
+        admitted[c] = best_k({k: score_tokens(tokens[c][k], k, cost, 1.0, fixed) for k in range(max_k + 1)},
                              params.tie_tol)
     table: list[tuple[int, int]] = []
     previous = max_k
     for start, bucket in LOAD_BUCKETS:
         fixed, cost = step_cost(view, mode, bucket, params, draft_cost)
         totals = {
-            cap: sum(w * score(models[c][0], min(admitted[c], cap), cost, 1.0, models[c][1], fixed)
+            cap: sum(w * score_tokens(tokens[c][min(admitted[c], cap)], min(admitted[c], cap), cost, 1.0, fixed)
                      for c, w in weights.items())
             for cap in range(previous + 1)
         }
@@ -658,5 +756,7 @@ def tuning_rows(view: TuningView, params: PolicyParams = DEFAULT_PARAMS) -> list
             "draft_rate": None if cell.draft_rate is None or mode == SpecMode.NONE.value else round(cell.draft_rate, 4),
             "step_ms": None if cell.step_s is None else round(cell.step_s * 1e3, 3),
             "cost_per_k": round(cost_per_k(view, mode, bucket, params), 4),
+            "runs": sum(cell.runs),
+            "mean_run": round(sum(i * g for i, g in enumerate(cell.runs)) / sum(cell.runs), 3) if cell.runs else None,
         })
     return rows

@@ -31,6 +31,10 @@ from dataclasses import asdict, dataclass, field
 EXTRA_ARGS_K = "specserve_k"
 EXTRA_ARGS_K_CAP = "specserve_k_cap"
 
+# Accepted runs longer than this are counted as this long (`accepted_runs`); 4 x the largest K
+# here, so the cap changes no step count the policy compares.
+RUN_CAP = 32
+
 
 class SpecMode(str, enum.Enum):
     """Proposer families. ``none`` is plain decoding; the GPU-only ones pass through to vLLM."""
@@ -68,6 +72,9 @@ class SpecStats:
     # drafted_per_position[i] = steps in which position i was drafted (its denominator).
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
+    # run_lengths[L] = accepted runs of L tokens (`accepted_runs`): what the text lets the proposer
+    # guess in a row, whatever K cut it into; empty when the engine did not report steps in order.
+    run_lengths: list[int] = field(default_factory=list)
 
     @property
     def acceptance_length(self) -> float:
@@ -95,7 +102,50 @@ class SpecStats:
             accepted=int(d.get("accepted", 0)),
             accepted_per_position=[int(x) for x in d.get("accepted_per_position", [])],
             drafted_per_position=[int(x) for x in d.get("drafted_per_position", [])],
+            run_lengths=[int(x) for x in d.get("run_lengths", [])],
         )
+
+
+def accepted_runs(per_step_accepted, per_step_drafted, cap: int = RUN_CAP) -> list[int]:
+    """Histogram of accepted runs from a request's steps in order: [L] = runs of L tokens.
+
+    A run is what the proposer guessed right in a row. A step that accepted all it drafted does
+    not end its run: its bonus token was the next token of the run and the next step's drafts go
+    on from it (n-gram lookup follows the same match; a drafter keeps predicting), so the run is
+    the sum over such steps of (drafted + 1), plus the accepted drafts of the step that ends it (a
+    rejection). A run that ends because the next step drafts nothing (or the request ends) does
+    not count the last full step's bonus token. Steps that draft nothing start no run (the draft
+    rate counts them). Runs are a property of the text and the proposer, not of K: with K a run of
+    L tokens takes ceil((L + 1) / (K + 1)) steps and yields L + 1 tokens, which the policy uses
+    instead of treating steps as independent (n-gram drafts come in bursts).
+
+    >>> accepted_runs([4, 4, 2, 0, 0, 1], [4, 4, 4, 0, 3, 3])
+    [1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]
+    """
+    hist = [0] * (cap + 1)
+    top, run, open_run = 0, 0, False
+    for acc, dr in zip(per_step_accepted, per_step_drafted):
+        acc, dr = int(acc), int(dr)
+        if dr <= 0:
+            if open_run:  # the run ended with the last full step (its bonus is not counted)
+                length = min(max(run - 1, 0), cap)
+                hist[length] += 1
+                top = max(top, length)
+                run, open_run = 0, False
+            continue
+        acc = min(max(acc, 0), dr)
+        if acc == dr:
+            run, open_run = run + dr + 1, True
+            continue
+        length = min(run + acc, cap)
+        hist[length] += 1
+        top = max(top, length)
+        run, open_run = 0, False
+    if open_run:
+        length = min(max(run - 1, 0), cap)
+        hist[length] += 1
+        top = max(top, length)
+    return hist[:top + 1] if any(hist) else []
 
 
 # Workload classes the router tells apart (cluster/classifier.py assigns them; a request may name one).

@@ -7,7 +7,7 @@ of HINCRBY / HINCRBYFLOAT, so router replicas add up, with a TTL on every key) a
 views from Redis. Redis down, slow or poisoned: requests still get a view (priors when empty);
 writes are kept (aggregated per key, bounded) and resume by themselves when Redis answers again.
 
-Keys: `{prefix}:{model}:{mode}:{class}:{bucket}` (prefix `specserve:v1` from RedisConfig), one hash
+Keys: `{prefix}:{model}:{mode}:{class}:{bucket}` (prefix `specserve:v2` from RedisConfig), one hash
 per tuning cell with the count fields of `cluster.policy.CellStats` (`a{i}` / `e{i}` are the
 per-position accepted / exposed steps), `chosen_k` (the incumbent K) and `updated` (unix s).
 A cell that is the wrong type, too big, has unknown fields, non-numeric or out-of-range values, or
@@ -34,7 +34,7 @@ from redis.retry import Retry
 from cluster.config import RedisConfig
 from cluster.policy import BUCKET_NAMES, MAX_K, CellKey, CellStats, TuningView, load_bucket, tuning_rows
 from cluster.tls import redis_client_kwargs
-from cluster.speculation import WORKLOAD_CLASSES, SpecMode, SpecStats
+from cluster.speculation import RUN_CAP, WORKLOAD_CLASSES, SpecMode, SpecStats
 
 log = logging.getLogger("specserve.tuning")
 
@@ -42,7 +42,8 @@ INT_FIELDS = ("requests", "steps", "drafted", "accepted", "rejected_steps", "k_s
 FLOAT_FIELDS = ("decode_s",)
 _ACC_NAMES = tuple(f"a{i}" for i in range(MAX_K))  # accepted at position i
 _EXP_NAMES = tuple(f"e{i}" for i in range(MAX_K))  # drafted (exposed) at position i
-POSITION_FIELDS = _ACC_NAMES + _EXP_NAMES
+_RUN_NAMES = tuple(f"r{i}" for i in range(RUN_CAP + 1))  # accepted runs of i tokens
+POSITION_FIELDS = _ACC_NAMES + _EXP_NAMES + _RUN_NAMES
 META_FIELDS = ("chosen_k", "updated")
 KNOWN_FIELDS = frozenset(INT_FIELDS + FLOAT_FIELDS + POSITION_FIELDS + META_FIELDS)
 MAX_FIELDS = len(KNOWN_FIELDS)
@@ -77,7 +78,9 @@ def increments_from_stats(
     and position i-1 accepted, estimated as min(drafted_per_position[i], accepted_per_position[i-1])
     (exact when all K are drafted). rejected_steps = trials - accepted. Without drafted_per_position
     all K positions count as drafted. Exposure of position i (`e{i}`) is drafted_per_position[i]
-    (else the request's steps when K > i). decode_s = latency_s - ttft_s."""
+    (else the request's steps when K > i). `r{L}` counts the request's accepted runs of L tokens
+    (`SpecStats.run_lengths`), dropped when they claim more runs than steps. decode_s =
+    latency_s - ttft_s."""
     k, steps, drafted, accepted = int(stats.k), int(stats.steps), int(stats.drafted), int(stats.accepted)
     if not 0 <= k <= MAX_K:
         raise ValueError(f"k={k} outside 0..{MAX_K}")
@@ -105,6 +108,11 @@ def increments_from_stats(
             inc[f"e{i}"] = exposed[i]
         if acc[i]:
             inc[f"a{i}"] = acc[i]
+    runs = [max(int(x), 0) for x in getattr(stats, "run_lengths", [])][:RUN_CAP + 1]
+    if n and sum(runs) <= steps:  # every run takes a step at least; else the report is not trusted
+        for i, r in enumerate(runs):
+            if r:
+                inc[f"r{i}"] = r
     return inc
 
 
@@ -142,6 +150,9 @@ def parse_cell(fields: Mapping, now_unix_s: float, max_age_s: float) -> tuple[Ce
     exp = [int(vals.get(n, 0)) for n in _EXP_NAMES]
     if any(a > e or e > steps for a, e in zip(acc, exp)):
         raise MalformedCell("per-position counts exceed exposure or steps")
+    runs = [int(vals.get(n, 0)) for n in _RUN_NAMES]
+    if sum(runs) > steps:
+        raise MalformedCell("more accepted runs than steps")
     chosen = vals.get("chosen_k")
     if chosen is not None and not 0 <= chosen <= MAX_K:
         raise MalformedCell(f"chosen_k={chosen} outside 0..{MAX_K}")
@@ -155,7 +166,7 @@ def parse_cell(fields: Mapping, now_unix_s: float, max_age_s: float) -> tuple[Ce
         requests=g("requests"), steps=steps, drafted=g("drafted"), accepted=g("accepted"),
         rejected_steps=g("rejected_steps"), k_steps=g("k_steps"), tokens=g("tokens"),
         decode_s=float(vals.get("decode_s", 0.0)), accepted_at=tuple(acc[:n]), exposed_at=tuple(exp[:n]),
-        updated_unix_s=updated,
+        runs=tuple(runs[:max((i + 1 for i, r in enumerate(runs) if r), default=0)]), updated_unix_s=updated,
     )
     return cell, None if chosen is None else int(chosen)
 

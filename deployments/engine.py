@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from cluster.autoscale import LatencyWindow
 from cluster.config import PoolConfig
-from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, SpecMode, SpecStats
+from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, SpecMode, SpecStats, accepted_runs
 from cluster.vllm_scheduler import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS_PATH
 
 log = logging.getLogger("specserve.engine")
@@ -128,6 +128,12 @@ def stats_from_output(mode: str, k: int, completion_tokens: int, metrics: Any) -
         width = max([k, *drafted_steps]) if drafted_steps else k
         stats.accepted_per_position = per_pos[:width]
         stats.drafted_per_position = [sum(1 for n in drafted_steps if n > i) for i in range(width)]
+        accepted_steps = list(getattr(metrics, "per_step_accepted", []) or [])
+        if accepted_steps and len(accepted_steps) == len(drafted_steps):
+            # vLLM records only the steps that verified drafts, in order; a step that drafted
+            # nothing between two of them is not seen, so a full step followed by one is taken as
+            # continuing its run (rare: after a full step n-gram lookup and drafters go on drafting).
+            stats.run_lengths = accepted_runs(accepted_steps, drafted_steps)
     stats.steps = decode_tokens - stats.accepted
     return stats
 

@@ -7,7 +7,8 @@ import importlib
 
 import pytest
 
-MODULES = ["cluster.policy", "cluster.routing", "cluster.autoscale", "cluster.vllm_scheduler", "cluster.redis_server"]
+MODULES = ["cluster.policy", "cluster.speculation", "cluster.routing", "cluster.autoscale", "cluster.vllm_scheduler", "cluster.redis_server",
+           "cluster.bench.runs_check"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -21,14 +21,14 @@ from cluster.speculation import SpecMode, SpecStats
 from cluster.tuning import MAX_FIELDS, MalformedCell, TuningStore, cell_key, increments_from_stats, parse_cell
 from cluster.wire import Completion
 
-PREFIX = "specserve:v1"
+PREFIX = "specserve:v2"
 POOLS = [PoolView(name="ngram", model="m", method=SpecMode.NGRAM, max_k=6),
          PoolView(name="plain", model="m", method=SpecMode.NONE, max_k=0)]
 
 
-def stats(k=3, steps=10, accepted=12, drafted=30, per_pos=(6, 4, 2), dr_pos=(10, 10, 10), mode="ngram"):
+def stats(k=3, steps=10, accepted=12, drafted=30, per_pos=(6, 4, 2), dr_pos=(10, 10, 10), mode="ngram", runs=()):
     return SpecStats(mode=mode, k=k, steps=steps, drafted=drafted, accepted=accepted,
-                     accepted_per_position=list(per_pos), drafted_per_position=list(dr_pos))
+                     accepted_per_position=list(per_pos), drafted_per_position=list(dr_pos), run_lengths=list(runs))
 
 
 def p99_ms(samples_s):
@@ -47,8 +47,8 @@ def wait_until(cond, timeout_s, step_s=0.05):
 # -- pure: keys, increments, validation -----------------------------------------------------------
 
 def test_cell_key_is_namespaced_and_quoted():
-    assert cell_key(PREFIX, "smollm2-135m", "ngram", "chat", "16+") == "specserve:v1:smollm2-135m:ngram:chat:16+"
-    assert cell_key(PREFIX, "org/a:b c", "ngram", "chat", "1") == "specserve:v1:org/a%3Ab%20c:ngram:chat:1"
+    assert cell_key(PREFIX, "smollm2-135m", "ngram", "chat", "16+") == "specserve:v2:smollm2-135m:ngram:chat:16+"
+    assert cell_key(PREFIX, "org/a:b c", "ngram", "chat", "1") == "specserve:v2:org/a%3Ab%20c:ngram:chat:1"
 
 
 def test_increments_by_hand():
@@ -56,6 +56,27 @@ def test_increments_by_hand():
     # trials: 10 steps at position 0, min(10, 6) at 1, min(10, 4) at 2 -> 20; rejected = 20 - 12
     assert inc == {"requests": 1, "steps": 10, "drafted": 30, "accepted": 12, "rejected_steps": 8, "k_steps": 30,
                    "tokens": 23, "decode_s": 1.0, "e0": 10, "e1": 10, "e2": 10, "a0": 6, "a1": 4, "a2": 2}
+
+
+def test_increments_carry_the_accepted_runs_and_drop_impossible_ones():
+    s = stats()
+    s.run_lengths = [3, 0, 2, 1]
+    inc = increments_from_stats(s, latency_s=1.0)
+    assert (inc["r0"], inc["r2"], inc["r3"]) == (3, 2, 1) and "r1" not in inc
+    s.run_lengths = [11]  # 11 runs in 10 steps: every run takes a step, so the report is not trusted
+    assert not any(f.startswith("r") and f[1:].isdigit() for f in increments_from_stats(s, latency_s=1.0))
+    s.run_lengths = [0] * 40 + [1]  # longer than the cap: the counts past it are not kept
+    assert not any(f.startswith("r") and f[1:].isdigit() for f in increments_from_stats(s, latency_s=1.0))
+
+
+def test_parse_cell_reads_runs_and_rejects_more_runs_than_steps():
+    cell, _ = parse_cell(_fields(r0="5", r3="2", r32="1"), now_unix_s=1001.0, max_age_s=100)
+    assert cell.runs == (5, 0, 0, 2) + (0,) * 28 + (1,) and cell.draftless_steps == 0
+    assert parse_cell(_fields(), now_unix_s=1001.0, max_age_s=100)[0].runs == ()
+    with pytest.raises(MalformedCell, match="runs"):
+        parse_cell(_fields(r1="15", r2="6"), now_unix_s=1001.0, max_age_s=100)
+    with pytest.raises(MalformedCell, match="unknown field"):
+        parse_cell(_fields(r33="1"), now_unix_s=1001.0, max_age_s=100)
 
 
 def test_increments_without_drafted_per_position_count_all_k_as_drafted():
@@ -164,7 +185,7 @@ def test_record_completion_uses_the_decision_bucket():
                       stats=stats().to_dict())
     assert store.record_completion("m", d, comp, batch_per_replica=0)
     key, inc = store._records[-1]
-    assert key == "specserve:v1:m:ngram:code:8-15" and inc["decode_s"] == pytest.approx(1.0) and inc["tokens"] == 23
+    assert key == "specserve:v2:m:ngram:code:8-15" and inc["decode_s"] == pytest.approx(1.0) and inc["tokens"] == 23
 
 
 def test_table_falls_back_to_the_cached_view_when_redis_is_down():
@@ -208,15 +229,16 @@ def test_batched_writes_add_up_across_replicas_with_ttl(store_for, redis_client)
     a, b = store_for(ttl_s=600), store_for(ttl_s=600)
     for s in (a, b):
         for _ in range(3):
-            s.record("m", "ngram", "ngram", "chat", "1", stats(), latency_s=1.5, ttft_s=0.5)
+            s.record("m", "ngram", "ngram", "chat", "1", stats(runs=(0, 1, 1)), latency_s=1.5, ttft_s=0.5)
     assert a.flush_now() and b.flush_now()
     key = cell_key(PREFIX, "m", "ngram", "chat", "1")
     h = redis_client.hgetall(key)
-    assert int(h[b"requests"]) == 6 and int(h[b"accepted"]) == 72 and int(h[b"a2"]) == 12
+    assert int(h[b"requests"]) == 6 and int(h[b"accepted"]) == 72 and int(h[b"a2"]) == 12 and int(h[b"r2"]) == 6
     assert float(h[b"decode_s"]) == pytest.approx(6.0)
     assert 0 < redis_client.ttl(key) <= 600
     view = a.fetch_view("m")
     assert view.cells[("ngram", "chat", "1")].steps == 60 and a.healthy
+    assert view.cells[("ngram", "chat", "1")].runs == (0, 6, 6)
     rows = a.table("m")
     assert [(r["mode"], r["workload_class"], r["load_bucket"], r["samples"]) for r in rows] == [("ngram", "chat", "1", 6)]
 

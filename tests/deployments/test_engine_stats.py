@@ -40,6 +40,26 @@ def test_short_drafts_per_position():
     assert s.drafted_per_position == [2, 1, 0, 0]
 
 
+def test_accepted_runs_from_the_ordered_steps():
+    # K = 4: a copy of 12 (full, full, 2), a rejection at once, then 1 accepted of 4.
+    m = metrics([1, 1, 1, 0, 2], 20, [4, 4, 4, 4, 4])
+    m.per_step_accepted = [4, 4, 2, 0, 1]
+    s = stats_from_output("ngram", 4, 20, m)
+    assert s.run_lengths == [1, 1] + [0] * 10 + [1]
+    m.per_step_accepted = [4, 4]  # lists that do not pair up step by step are not trusted
+    assert stats_from_output("ngram", 4, 20, m).run_lengths == []
+    assert stats_from_output("ngram", 4, 20, metrics([1, 1, 1, 0, 2], 20, [4] * 5)).run_lengths == []
+
+
+def test_accepted_runs_edges():
+    from cluster.speculation import RUN_CAP, accepted_runs
+    assert accepted_runs([], []) == [] and accepted_runs([0, 0], [3, 3]) == [2]
+    assert accepted_runs([3], [3]) == [0, 0, 0, 1]  # a run cut by the request's end: no bonus counted
+    assert accepted_runs([3, 0], [3, 0]) == [0, 0, 0, 1]  # ... or by a step that drafts nothing
+    assert accepted_runs([2, 9], [2, 3]) == [0, 0, 0, 0, 0, 0, 1]  # accepted beyond drafted is clamped
+    assert accepted_runs([6] * 10, [6] * 10) == [0] * RUN_CAP + [1]  # longer than the cap: counted at it
+
+
 def test_speculative_config_per_method():
     assert speculative_config(CFG.pools["ngram"], None) == {
         "method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 5}

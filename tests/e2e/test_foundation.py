@@ -105,6 +105,11 @@ def test_per_request_k_is_applied_inside_one_engine_concurrently(cluster):
         else:
             assert s["drafted"] <= k * s["spec_steps"], s  # never more than K drafts in a step
             assert all(n == 0 for n in s["drafted_per_position"][k:]), s
+            # Accepted runs (from vLLM's ordered per-step counts): every run takes a step at least,
+            # and a run of L takes ceil((L + 1) / (K + 1)) steps at most where all K are drafted.
+            runs = s["run_lengths"]
+            assert bool(runs) == (s["spec_steps"] > 0), s
+            assert sum(runs) <= sum(g * -(-(n + 1) // (k + 1)) for n, g in enumerate(runs)) <= s["spec_steps"], s
         by_k.setdefault(k, []).append(s)
     # More K, more drafts verified per step, fewer steps.
     assert min(s["drafted"] for s in by_k[6]) > max(s["drafted"] for s in by_k[1])

@@ -18,7 +18,7 @@ from cluster.redis_server import parse_redis_url, start_local_redis
 
 pytestmark = pytest.mark.engine
 
-PREFIX = "specserve:v1"
+PREFIX = "specserve:v2"
 
 
 def _requests_recorded(client: redis.Redis) -> int:

@@ -16,7 +16,7 @@ from cluster.tuning import cell_key
 
 pytestmark = pytest.mark.engine
 
-PREFIX = "specserve:v1"
+PREFIX = "specserve:v2"
 MODEL = "smollm2-135m"
 PROMPTS = {
     "translation": "Translate German to English: Der Hund spielt im Garten mit dem Ball.",

@@ -116,6 +116,7 @@ class PolicyParams:
     prior_runs: float = 30.0  # weight, in accepted runs, of the geometric model against the measured runs
     prior_cost_steps: float = 500.0  # pseudo-count of the cost prior (steps)
     min_cost_steps: int = 200  # steps a cell needs before its step time is used at all
+    min_k_variance: float = 0.5  # variance of K over steps needed to fit f and c apart (step_cost)
     max_effective_trials: float = 5000.0  # counts are scaled down to this, so the posterior never freezes
     # verify cost per draft token = verify_cost_b1 + verify_cost_per_batch * (batch - 1), at most 1.
     # Calibrated so that n-gram K=3 at α≈0.3 loses ~9% at batch 16 (63.8 vs 70.1 tok/s).
@@ -142,6 +143,8 @@ class CellStats:
     accepted: int = 0
     rejected_steps: int = 0  # steps that ended on a rejected draft or drafted nothing
     k_steps: int = 0  # sum of K * steps (mean K = k_steps / steps)
+    kk_steps: int = 0  # sum of K^2 * steps   } over requests: the regression of step time on K
+    k_decode_s: float = 0.0  # sum of K * decode_s }
     tokens: int = 0  # output tokens
     decode_s: float = 0.0  # request time after the first token
     accepted_at: tuple[int, ...] = ()  # [i] = steps in which draft position i was accepted
@@ -198,6 +201,7 @@ class CellStats:
             requests=self.requests + other.requests, steps=self.steps + other.steps,
             drafted=self.drafted + other.drafted, accepted=self.accepted + other.accepted,
             rejected_steps=self.rejected_steps + other.rejected_steps, k_steps=self.k_steps + other.k_steps,
+            kk_steps=self.kk_steps + other.kk_steps, k_decode_s=self.k_decode_s + other.k_decode_s,
             tokens=self.tokens + other.tokens, decode_s=self.decode_s + other.decode_s,
             accepted_at=tuple(a + b for a, b in zip(pad(self.accepted_at), pad(other.accepted_at))),
             exposed_at=tuple(a + b for a, b in zip(pad(self.exposed_at), pad(other.exposed_at))),
@@ -407,15 +411,28 @@ def class_model(view: Optional[TuningView], mode: str, workload_class: str, prio
 
 def step_cost(view: Optional[TuningView], mode: str, bucket: str, params: PolicyParams = DEFAULT_PARAMS,
               draft_cost: Optional[tuple[float, float]] = None) -> tuple[float, float]:
-    """(f, c) for `mode` at `bucket`. The measured overhead of a step, step time / plain step time
-    - 1 in the same bucket (all classes pooled) at the cells' mean K, scales the prior's f + c·K
-    (one mean K cannot separate the fixed and the per-token part, so the prior's shape is kept);
-    the scale is blended with 1 by step counts.
+    """(f, c) for `mode` at `bucket`, from step time / plain step time - 1 in the same bucket (all
+    classes pooled). When the requests ran at K that differ enough (variance of K over steps at
+    least `min_k_variance`), f and c are the intercept and slope of the steps-weighted regression of
+    step time on K, each blended with its prior by step counts. Otherwise the overhead at the cells'
+    mean K scales the prior's f + c·K (one mean K cannot separate the fixed and the per-token part,
+    so the prior's shape is kept), the scale blended with 1 by step counts.
 
     >>> v = TuningView("m", {("eagle", "chat", "1"): CellStats(steps=10**6, k_steps=10**6, decode_s=1.5e5),
     ...                       ("none", "chat", "1"): CellStats(steps=10**6, decode_s=1e5)})
     >>> [round(x, 3) for x in step_cost(v, "eagle", "1", draft_cost=(0.2, 0.05))]  # prior 0.2 + 0.08 at K = 1
     [0.357, 0.143]
+
+    Measured here (r8, 4 streams): n-gram steps at K = 4 took 1.294 plain steps and at mean K 1.86
+    1.247, i.e. f = 0.21 and c = 0.022, where the overhead at the mean K alone (f = 0) read c = 0.074
+    per token and made every K above 2 look too dear. Two groups at K = 1 and 4 of that shape:
+
+    >>> k1 = CellStats(steps=10**5, k_steps=10**5, kk_steps=10**5, decode_s=123.0, k_decode_s=123.0)
+    >>> k4 = CellStats(steps=10**5, k_steps=4 * 10**5, kk_steps=16 * 10**5, decode_s=129.0, k_decode_s=516.0)
+    >>> v = TuningView("m", {("ngram", "chat", "4-7"): k1, ("ngram", "code", "4-7"): k4,
+    ...                       ("none", "chat", "4-7"): CellStats(steps=10**6, decode_s=1000.0)})
+    >>> [round(x, 3) for x in step_cost(v, "ngram", "4-7")]
+    [0.209, 0.02]
     """
     fixed, per_k = prior_step_cost(mode, BUCKET_BATCH[bucket], params, draft_cost)
     if view is None or mode == SpecMode.NONE.value:
@@ -424,12 +441,36 @@ def step_cost(view: Optional[TuningView], mode: str, bucket: str, params: Policy
     n = min(spec.steps, plain.steps)
     if n < params.min_cost_steps or spec.mean_k < 0.5 or not plain.step_s:
         return fixed, per_k
+    fit = _cost_regression(spec, plain.step_s, params)
+    if fit is not None:
+        return (_blend(fit[0], n, fixed, params.prior_cost_steps), _blend(fit[1], n, per_k, params.prior_cost_steps))
     at_k = fixed + per_k * spec.mean_k
     if at_k <= 0:
         return fixed, per_k
     measured = min(max(spec.step_s / plain.step_s - 1.0, 0.0), 2.0 * spec.mean_k + 2.0 * fixed)
     scale = _blend(measured / at_k, n, 1.0, params.prior_cost_steps)
     return fixed * scale, per_k * scale
+
+
+def _cost_regression(spec: CellStats, plain_step_s: float, params: PolicyParams) -> Optional[tuple[float, float]]:
+    """(f, c) from the steps-weighted least squares of per-step time on K over the requests summed
+    in `spec` (relative to the plain step), or None when K did not vary enough to separate them.
+    A negative intercept or slope is clamped to 0 and the other term refitted through the mean."""
+    s = float(spec.steps)
+    if s <= 0 or not spec.kk_steps:
+        return None
+    mean_k, mean_t = spec.k_steps / s, spec.decode_s / s
+    var = spec.kk_steps / s - mean_k ** 2
+    if var < params.min_k_variance or mean_k <= 0:
+        return None
+    slope = (spec.k_decode_s / s - mean_k * mean_t) / var
+    fixed, per_k = (mean_t - slope * mean_k) / plain_step_s - 1.0, slope / plain_step_s
+    overhead = mean_t / plain_step_s - 1.0
+    if fixed < 0:
+        fixed, per_k = 0.0, max(overhead, 0.0) / mean_k
+    if per_k < 0:
+        fixed, per_k = max(overhead, 0.0), 0.0
+    return min(fixed, 2.0), min(per_k, 1.0)
 
 
 def cost_per_k(view: Optional[TuningView], mode: str, bucket: str, params: PolicyParams = DEFAULT_PARAMS,

@@ -38,8 +38,8 @@ from cluster.speculation import RUN_CAP, WORKLOAD_CLASSES, SpecMode, SpecStats
 
 log = logging.getLogger("specserve.tuning")
 
-INT_FIELDS = ("requests", "steps", "drafted", "accepted", "rejected_steps", "k_steps", "tokens")
-FLOAT_FIELDS = ("decode_s",)
+INT_FIELDS = ("requests", "steps", "drafted", "accepted", "rejected_steps", "k_steps", "kk_steps", "tokens")
+FLOAT_FIELDS = ("decode_s", "k_decode_s")
 _ACC_NAMES = tuple(f"a{i}" for i in range(MAX_K))  # accepted at position i
 _EXP_NAMES = tuple(f"e{i}" for i in range(MAX_K))  # drafted (exposed) at position i
 _RUN_NAMES = tuple(f"r{i}" for i in range(RUN_CAP + 1))  # accepted runs of i tokens
@@ -97,11 +97,11 @@ def increments_from_stats(
     exposed += [0] * (n - len(exposed))
     acc = [min(max(int(x), 0), e) for x, e in zip(list(stats.accepted_per_position)[:n] + [0] * n, exposed)]
     trials = (steps + sum(min(exposed[i], acc[i - 1]) for i in range(1, n))) if n else 0
-    inc: dict[str, float] = {
+    inc: dict[str, float] = {  # (kk_steps and k_decode_s: sums for the regression of step time on K)
         "requests": 1, "steps": steps, "drafted": drafted, "accepted": accepted,
-        "rejected_steps": min(max(trials - accepted, 0), steps), "k_steps": k * steps,
+        "rejected_steps": min(max(trials - accepted, 0), steps), "k_steps": k * steps, "kk_steps": k * k * steps,
         "tokens": int(output_tokens) if output_tokens is not None else steps + accepted + 1,
-        "decode_s": decode_s,
+        "decode_s": decode_s, "k_decode_s": k * decode_s,
     }
     for i in range(n):
         if exposed[i]:
@@ -144,7 +144,9 @@ def parse_cell(fields: Mapping, now_unix_s: float, max_age_s: float) -> tuple[Ce
         vals[name] = v
     g = lambda n: int(vals.get(n, 0))  # noqa: E731
     steps = g("steps")
-    if g("accepted") > g("drafted") or g("rejected_steps") > steps or g("k_steps") > MAX_K * steps:
+    if (g("accepted") > g("drafted") or g("rejected_steps") > steps or g("k_steps") > MAX_K * steps
+            or g("kk_steps") > MAX_K * MAX_K * steps
+            or float(vals.get("k_decode_s", 0.0)) > MAX_K * float(vals.get("decode_s", 0.0)) + 1e-6):
         raise MalformedCell("inconsistent counts (accepted > drafted, rejected > steps or K > max)")
     acc = [int(vals.get(n, 0)) for n in _ACC_NAMES]
     exp = [int(vals.get(n, 0)) for n in _EXP_NAMES]
@@ -164,7 +166,8 @@ def parse_cell(fields: Mapping, now_unix_s: float, max_age_s: float) -> tuple[Ce
     n = max((i + 1 for i in range(MAX_K) if exp[i] or acc[i]), default=0)
     cell = CellStats(
         requests=g("requests"), steps=steps, drafted=g("drafted"), accepted=g("accepted"),
-        rejected_steps=g("rejected_steps"), k_steps=g("k_steps"), tokens=g("tokens"),
+        rejected_steps=g("rejected_steps"), k_steps=g("k_steps"), kk_steps=g("kk_steps"), tokens=g("tokens"),
+        k_decode_s=float(vals.get("k_decode_s", 0.0)),
         decode_s=float(vals.get("decode_s", 0.0)), accepted_at=tuple(acc[:n]), exposed_at=tuple(exp[:n]),
         runs=tuple(runs[:max((i + 1 for i, r in enumerate(runs) if r), default=0)]), updated_unix_s=updated,
     )

@@ -809,3 +809,64 @@ def test_cap_table_uses_the_runs():
     geometric = TuningView("m", cells={key: replace(c, runs=()) for key, c in view.cells.items()})
     assert k_cap_table("ngram", 6, view)[0] == (1, 6)
     assert k_cap_table("ngram", 6, geometric)[0] == (1, 5)
+
+
+# -- step cost: the fixed and the per-token part apart --------------------------------------------
+
+def _timed(k: int, steps: int, step_s: float) -> SpecStats:
+    return SpecStats(mode="ngram", k=k, steps=steps, drafted=k * steps, accepted=0,
+                     accepted_per_position=[0] * k, drafted_per_position=[steps] * k)
+
+
+def _cost_cells(groups, plain_step_s=0.1, bucket="4-7"):
+    """Cells of requests at several K with step time plain * (1 + f + c·K), through the real
+    increments and validation; `groups` = [(K, requests, step time relative to plain)]."""
+    total: dict[str, float] = {}
+    for k, n, rel in groups:
+        for _ in range(n):
+            s = _timed(k, 100, plain_step_s * rel)
+            for f, v in increments_from_stats(s, latency_s=plain_step_s * rel * 100).items():
+                total[f] = total.get(f, 0) + v
+    cell, _ = parse_cell({f: str(v if f in ("decode_s", "k_decode_s") else int(v)) for f, v in total.items()}, 0.0, 1e9)
+    return TuningView("m", cells={("ngram", "code", bucket): cell,
+                                  ("none", "code", bucket): CellStats(steps=10**6, decode_s=plain_step_s * 10**6)})
+
+
+@pytest.mark.parametrize("f,c", [(0.2, 0.02), (0.0, 0.08), (0.05, 0.0), (0.4, 0.1)])
+def test_step_cost_separates_the_fixed_and_the_per_token_cost(f, c):
+    view = _cost_cells([(1, 20, 1 + f + c), (2, 20, 1 + f + 2 * c), (4, 20, 1 + f + 4 * c), (6, 20, 1 + f + 6 * c)])
+    fixed, per_k = step_cost(view, "ngram", "4-7")
+    w = 8000 / (8000 + P.prior_cost_steps)  # 80 requests of 100 steps against the prior's weight
+    prior_f, prior_c = prior_step_cost("ngram", BUCKET_BATCH["4-7"])
+    assert fixed == pytest.approx(w * f + (1 - w) * prior_f, abs=1e-6)
+    assert per_k == pytest.approx(w * c + (1 - w) * prior_c, abs=1e-6)
+
+
+def test_step_cost_without_a_spread_of_k_scales_the_prior():
+    view = _cost_cells([(4, 50, 1.3)])  # one K: f and c cannot be told apart
+    fixed, per_k = step_cost(view, "ngram", "4-7")
+    assert fixed == 0.0 and 4 * per_k == pytest.approx(0.3, rel=0.1)
+
+
+def test_step_cost_regression_clamps_negative_terms():
+    # Cheaper per step at higher K (noise, or batches that mixed K = 0 requests in): no negative f.
+    fixed, per_k = step_cost(_cost_cells([(1, 30, 1.3), (4, 30, 1.5)], bucket="16+"), "ngram", "16+")
+    assert fixed >= 0 and per_k >= 0
+    fixed, per_k = step_cost(_cost_cells([(1, 30, 1.3), (4, 30, 1.2)]), "ngram", "4-7")
+    assert fixed >= 0 and per_k >= 0
+
+
+def test_a_fixed_cost_at_load_makes_a_large_k_pay_where_the_mean_alone_did_not():
+    """r8 at 4 streams: n-gram K = 4 steps cost 1.294 plain steps, K ~ 2 ones 1.247 (f 0.21, c 0.022);
+    auto chose K = 1-2 (cost read as 0.087 per token) and made 0.934 of `ngram:4`."""
+    # Tokens per step 1.40 at K = 2 and 1.54 at K = 4, as summarization measured in r8.
+    text = _copy_text(random.Random(3), 3000, draftless=0.7, runs=((0, .5), (1, .15), (2, .1), (4, .15), (12, .1)))
+    cell = cell_from([_decode(text, 6)[0]])
+    steps = CellStats(steps=cell.steps, exposed_at=cell.exposed_at, accepted_at=cell.accepted_at,
+                      accepted=cell.accepted, rejected_steps=cell.rejected_steps, runs=cell.runs)
+    costs = _cost_cells([(2, 40, 1.254), (4, 40, 1.298)])
+    view = TuningView("m", cells={**costs.cells, ("ngram", "summarization", "1"): steps})
+    assert choose_auto([ngram(running=4)], ROUTER, "summarization", view).k >= 4
+    # The same overhead at the mean K alone (the old reading) chose K <= 2.
+    mean_only = TuningView("m", cells={key: replace(c, kk_steps=0, k_decode_s=0.0) for key, c in view.cells.items()})
+    assert choose_auto([ngram(running=4)], ROUTER, "summarization", mean_only).k <= 2

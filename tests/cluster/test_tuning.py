@@ -55,7 +55,8 @@ def test_increments_by_hand():
     inc = increments_from_stats(stats(), latency_s=1.5, ttft_s=0.5, output_tokens=23)
     # trials: 10 steps at position 0, min(10, 6) at 1, min(10, 4) at 2 -> 20; rejected = 20 - 12
     assert inc == {"requests": 1, "steps": 10, "drafted": 30, "accepted": 12, "rejected_steps": 8, "k_steps": 30,
-                   "tokens": 23, "decode_s": 1.0, "e0": 10, "e1": 10, "e2": 10, "a0": 6, "a1": 4, "a2": 2}
+                   "kk_steps": 90, "tokens": 23, "decode_s": 1.0, "k_decode_s": 3.0,
+                   "e0": 10, "e1": 10, "e2": 10, "a0": 6, "a1": 4, "a2": 2}
 
 
 def test_increments_carry_the_accepted_runs_and_drop_impossible_ones():
@@ -123,6 +124,7 @@ def test_parse_cell_valid():
     (dict(decode_s="inf"), "finite"), (dict(steps="-3"), "range"), (dict(accepted="61"), "inconsistent"),
     (dict(rejected_steps="21"), "inconsistent"), (dict(k_steps="1000"), "inconsistent"), (dict(chosen_k="99"), "chosen_k"),
     (dict(chosen_k="-1"), "range"), (dict(a0="21"), "per-position"), (dict(e0="21"), "per-position"),
+    (dict(kk_steps=str(16 * 16 * 20 + 1)), "inconsistent"), (dict(k_decode_s="40.1"), "inconsistent"),
     (dict(steps="9" * 40), "bytes"), (dict(tokens=str(10**14)), "range"), (dict(bogus="1"), "unknown field"),
     (dict(updated="999999999"), "future|range"), (dict(updated="1"), "stale"),
 ])

@@ -36,9 +36,12 @@ pool's per-step `k_cap_by_batch` table from the same state. Words are those of
   16) + the proposer's cost per draft token, and f is the proposer's fixed cost of a step that
   drafts at all (a model drafter's extra forward pass and its bookkeeping: here the distilled
   EAGLE head costs 0.32 of a plain step per step and 0.02 per token, n-gram lookup nothing). The
-  prior is the pool's `prior_draft_cost` (measured on its hardware) or a built-in table; measured
-  decode seconds per step of a mode against plain decoding in the same load bucket scale both
-  terms (one mean K per cell cannot separate them), blended with the prior by step counts.
+  prior is the pool's `prior_draft_cost` (measured on its hardware) or a built-in table. Measured
+  decode seconds per step of a mode against plain decoding in the same load bucket fit both
+  terms apart (regression of step time on K over the requests) when K varied, else scale the
+  prior's f + c·K; blended with the prior by step counts. (With f = 0 for n-gram, the overhead
+  read at the mean K charged 0.087 per draft token at 4 streams, where a batch that drafts at all
+  pays ~0.2 of a step and a token ~0.02 more: auto chose K = 1-2 and lost to a static K = 4, r8.)
   (A linear 1 + c·K with a GPU-like c = 0.05 for EAGLE let K = 1 look 10% faster than plain
   decoding for classes the head drafts at α ≈ 0.2, where it measured 0.85x.)
 - **score** of (pool, K): expected output tokens per unit of plain-step time at batch 1,
@@ -58,7 +61,8 @@ configured, else a Spec-Bench-like table (n-gram α
 per class; at batch 16 speculation costs throughput, 63.8 vs 70.1 tok/s here), and converges
 from live traffic as counts outweigh the prior's pseudo-counts. Exploration: with probability ε
 (shrinking with data) every pool draws α from its Beta posterior and its run shares from their
-Dirichlet posterior, and the best sampled (pool, K) wins (Thompson sampling), so a confidently worse pool is almost never tried; counts are capped
+Dirichlet posterior, and the best sampled (pool, K) wins (Thompson sampling), so a confidently
+worse pool is almost never tried; counts are capped
 so the posterior never freezes. Hysteresis: the incumbent K of a (mode, class, bucket) is kept
 unless another K beats it by `margin`. Ties (within `tie_tol`) go to the cheapest proposer for
 K = 0, then to the less loaded pool, or, for pools that share hardware, to the busier one.
@@ -424,8 +428,9 @@ def step_cost(view: Optional[TuningView], mode: str, bucket: str, params: Policy
     [0.357, 0.143]
 
     Measured here (r8, 4 streams): n-gram steps at K = 4 took 1.294 plain steps and at mean K 1.86
-    1.247, i.e. f = 0.21 and c = 0.022, where the overhead at the mean K alone (f = 0) read c = 0.074
-    per token and made every K above 2 look too dear. Two groups at K = 1 and 4 of that shape:
+    1.247, i.e. f = 0.21 and c = 0.022, where the overhead at the cells' mean K alone (f = 0) read
+    c = 0.087 per token and made every K above 2 look too dear. Two groups at K = 1 and 4 of that
+    shape:
 
     >>> k1 = CellStats(steps=10**5, k_steps=10**5, kk_steps=10**5, decode_s=123.0, k_decode_s=123.0)
     >>> k4 = CellStats(steps=10**5, k_steps=4 * 10**5, kk_steps=16 * 10**5, decode_s=129.0, k_decode_s=516.0)

@@ -200,15 +200,14 @@ class CellStats:
 
     def __add__(self, other: "CellStats") -> "CellStats":
         n = max(len(self.accepted_at), len(other.accepted_at), len(self.exposed_at), len(other.exposed_at))
-        pad = lambda t: tuple(t) + (0,) * (n - len(t))  # noqa: E731
         return CellStats(
             requests=self.requests + other.requests, steps=self.steps + other.steps,
             drafted=self.drafted + other.drafted, accepted=self.accepted + other.accepted,
             rejected_steps=self.rejected_steps + other.rejected_steps, k_steps=self.k_steps + other.k_steps,
             kk_steps=self.kk_steps + other.kk_steps, k_decode_s=self.k_decode_s + other.k_decode_s,
             tokens=self.tokens + other.tokens, decode_s=self.decode_s + other.decode_s,
-            accepted_at=tuple(a + b for a, b in zip(pad(self.accepted_at), pad(other.accepted_at))),
-            exposed_at=tuple(a + b for a, b in zip(pad(self.exposed_at), pad(other.exposed_at))),
+            accepted_at=_add_counts(self.accepted_at, other.accepted_at, n),
+            exposed_at=_add_counts(self.exposed_at, other.exposed_at, n),
             runs=_add_counts(self.runs, other.runs),
             updated_unix_s=max(self.updated_unix_s, other.updated_unix_s),
         )
@@ -218,8 +217,9 @@ class CellStats:
         return self.steps - self.drafting_steps
 
 
-def _add_counts(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
-    n = max(len(a), len(b))
+def _add_counts(a: tuple[int, ...], b: tuple[int, ...], width: int = 0) -> tuple[int, ...]:
+    """Element-wise sum, the shorter padded with zeros, at least `width` long."""
+    n = max(len(a), len(b), width)
     return tuple(x + y for x, y in zip(tuple(a) + (0,) * (n - len(a)), tuple(b) + (0,) * (n - len(b))))
 
 

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import ChainMap
 from dataclasses import replace
-from typing import Callable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional
 from urllib.parse import quote
 
 import redis
@@ -114,6 +114,23 @@ def increments_from_stats(
             if r:
                 inc[f"r{i}"] = r
     return inc
+
+
+def add_increments(into: dict[str, float], inc: Mapping[str, float]) -> dict[str, float]:
+    """Sum one request's increments into `into` (what HINCRBY / HINCRBYFLOAT do in Redis)."""
+    for f, v in inc.items():
+        into[f] = into.get(f, 0) + v
+    return into
+
+
+def cell_from_requests(requests: Iterable[tuple[SpecStats, float]]) -> CellStats:
+    """Finished requests, (stats, latency_s) pairs, summed into one cell as the store sums them in
+    Redis (increments, then the hash's validation): for tools and tests that have no Redis."""
+    total: dict[str, float] = {}
+    for stats, latency_s in requests:
+        add_increments(total, increments_from_stats(stats, latency_s))
+    fields = {f: repr(float(v)) if f in FLOAT_FIELDS else str(int(v)) for f, v in total.items()}
+    return parse_cell(fields, now_unix_s=0.0, max_age_s=math.inf)[0]
 
 
 def _number(name: str, raw, kind) -> float:
@@ -338,9 +355,7 @@ class TuningStore:
             drained = list(self._records)
             self._records.clear()
             for key, inc in drained:
-                agg = self._pending.setdefault(key, {})
-                for f, v in inc.items():
-                    agg[f] = agg.get(f, 0) + v
+                add_increments(self._pending.setdefault(key, {}), inc)
             if len(self._pending) > 4 * len(MODES) * len(WORKLOAD_CLASSES) * len(BUCKET_NAMES) * max(len(self._models), 1):
                 self.counters["pending_dropped"] += len(self._pending)
                 self._pending.clear()

@@ -23,17 +23,12 @@ from typing import Mapping, Optional
 from cluster.bench.workload import load_prompts, select
 from cluster.policy import CellStats, expected_tokens_per_step, run_tokens_per_step
 from cluster.speculation import SpecStats
-from cluster.tuning import increments_from_stats, parse_cell
+from cluster.tuning import cell_from_requests
 
 
 def cell_of(stats: list[SpecStats]) -> CellStats:
-    """Requests summed as the tuning state sums them (increments, then the hash's validation)."""
-    total: dict[str, float] = {}
-    for s in stats:
-        for f, v in increments_from_stats(s, latency_s=0.0).items():
-            total[f] = total.get(f, 0) + v
-    cell, _ = parse_cell({f: str(v if f == "decode_s" else int(v)) for f, v in total.items()}, 0.0, 1e18)
-    return cell
+    """Requests summed as the tuning state sums them (no times: only step counts are compared)."""
+    return cell_from_requests((s, 0.0) for s in stats)
 
 
 def predictions(cells: Mapping[int, CellStats], observed_k: int) -> list[dict]:

@@ -21,7 +21,7 @@ from cluster.policy import (
 )
 from cluster.routing import PoolView
 from cluster.speculation import WORKLOAD_CLASSES, SpecMode, SpecStats
-from cluster.tuning import increments_from_stats, parse_cell
+from cluster.tuning import cell_from_requests
 from cluster.vllm_scheduler import k_cap_for_batch
 
 ROUTER = RouterConfig()
@@ -66,12 +66,7 @@ def simulate(alpha: float, k: int, steps: int, rng: random.Random, drafted_len=N
 
 def cell_from(requests: list[SpecStats], step_s: float = 0.01) -> CellStats:
     """Aggregate requests through the real increments and hash validation (what Redis would hold)."""
-    total: dict[str, float] = {}
-    for s in requests:
-        for f, v in increments_from_stats(s, latency_s=step_s * s.steps).items():
-            total[f] = total.get(f, 0) + v
-    cell, _ = parse_cell({f: str(int(v) if f != "decode_s" else v) for f, v in total.items()}, 0.0, 1e9)
-    return cell
+    return cell_from_requests((s, step_s * s.steps) for s in requests)
 
 
 # -- load buckets ---------------------------------------------------------------------------------
@@ -813,7 +808,7 @@ def test_cap_table_uses_the_runs():
 
 # -- step cost: the fixed and the per-token part apart --------------------------------------------
 
-def _timed(k: int, steps: int, step_s: float) -> SpecStats:
+def _timed(k: int, steps: int) -> SpecStats:
     return SpecStats(mode="ngram", k=k, steps=steps, drafted=k * steps, accepted=0,
                      accepted_per_position=[0] * k, drafted_per_position=[steps] * k)
 
@@ -821,13 +816,7 @@ def _timed(k: int, steps: int, step_s: float) -> SpecStats:
 def _cost_cells(groups, plain_step_s=0.1, bucket="4-7"):
     """Cells of requests at several K with step time plain * (1 + f + c·K), through the real
     increments and validation; `groups` = [(K, requests, step time relative to plain)]."""
-    total: dict[str, float] = {}
-    for k, n, rel in groups:
-        for _ in range(n):
-            s = _timed(k, 100, plain_step_s * rel)
-            for f, v in increments_from_stats(s, latency_s=plain_step_s * rel * 100).items():
-                total[f] = total.get(f, 0) + v
-    cell, _ = parse_cell({f: str(v if f in ("decode_s", "k_decode_s") else int(v)) for f, v in total.items()}, 0.0, 1e9)
+    cell = cell_from_requests((_timed(k, 100), plain_step_s * rel * 100) for k, n, rel in groups for _ in range(n))
     return TuningView("m", cells={("ngram", "code", bucket): cell,
                                   ("none", "code", bucket): CellStats(steps=10**6, decode_s=plain_step_s * 10**6)})
 

@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-max-new-tokens", type=int, default=128)
     p.add_argument("--train-prompts", type=int, default=None, help="cap on Spec-Bench training prompts")
     p.add_argument("--synthetic", type=int, default=200, help="synthetic instructions added to the prompts")
+    p.add_argument("--self-instruct", type=int, default=0,
+                   help="requests written by the target from training-split examples, added to the prompts "
+                        "(cluster/distill/instruct.py; --engine vllm)")
     p.add_argument("--sampled", type=int, default=1, help="sampled continuations per prompt, besides the greedy one")
     p.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled continuations")
     p.add_argument("--max-new-tokens", type=int, default=192)
@@ -118,7 +121,16 @@ def run(args: argparse.Namespace) -> int:
     # 2. prompts and the target's own continuations (cached; one generation call for all of them)
     train_p, held = data.split_prompts(data.load_specbench(), args.eval_per_task, args.seed)
     print(f"data: held-out prompts -> {data.write_heldout(out / 'heldout.jsonl', held)}")
-    train_p = train_p[: args.train_prompts] + data.synthetic_instructions(args.synthetic, args.seed)
+    train_p = train_p[: args.train_prompts]
+    if args.self_instruct:
+        if args.engine != "vllm":
+            raise SystemExit("--self-instruct needs --engine vllm")
+        from cluster.distill.instruct import self_instruct
+
+        target_key = f"{target.config.vocab_size}:{float(target.model.norm.weight.sum())}"
+        train_p = train_p + self_instruct(tok, target_path, train_p, args.self_instruct, args.seed, data_dir,
+                                          target_key=target_key)
+    train_p = train_p + data.synthetic_instructions(args.synthetic, args.seed)
     train_p, dropped = data.cap_prompts(tok, train_p, args.max_prompt_tokens or None)
     if dropped:
         print(f"data: {dropped} training prompts longer than {args.max_prompt_tokens} tokens left out")

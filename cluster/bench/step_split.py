@@ -1,0 +1,112 @@
+"""Where a bench's one-stream ratio comes from: tokens per step against time per step, per config.
+
+tokens/s of a decode = tokens per step / time per step. Greedy decoding gives the same text at every
+K, so between two configurations only these two factors differ, and the router can only choose the
+first (through K) while the second is the engine's. This splits a `specserve bench` run's samples
+(`samples.json`) into both, per configuration (and per task), with the time per step per repeat
+(drift between repeats is the machine's) and, from each configuration's accepted runs, what the
+policy's runs model (`cluster.policy.run_tokens_per_step`) predicts at other K, so a shortfall can
+be read as "chose a K with fewer tokens per step" or "its steps were slower".
+
+    python -m cluster.bench.step_split SAMPLES.json [--concurrency 1] [--tasks math_reasoning,qa]
+        [--configs ngram:3,ngram:5,auto] [--k 2,3,4,5,6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Iterable, Optional
+
+from cluster.policy import run_tokens_per_step
+from cluster.speculation import RUN_CAP
+
+
+def split(samples: Iterable[dict], concurrency: int = 1, phase: str = "compare",
+          ks: tuple[int, ...] = (2, 3, 4, 5, 6)) -> list[dict]:
+    """Rows per (task, config) and ("ALL", config) of the successful greedy samples at `concurrency`.
+
+    Decode tokens are the tokens after the first (the first comes from the prefill); time per step
+    is (latency - TTFT) / steps.
+
+    >>> s = [{"phase": "compare", "concurrency": 1, "ok": True, "config": "ngram:2", "task": "qa", "repeat": 0,
+    ...       "temperature": 0.0, "token_ids": list(range(7)), "latency_s": 0.5, "ttft_s": 0.1,
+    ...       "spec": {"steps": 4, "spec_steps": 2, "run_lengths": [0, 0, 1, 0, 1]}}]
+    >>> r = split(s, ks=(2, 4))[1]  # [0] is the ALL row
+    >>> (r["task"], r["config"], r["tokens_per_step"], r["ms_per_step"], r["draftless"], r["predicted"])
+    ('qa', 'ngram:2', 1.5, 100.0, 2, {2: 2.0, 4: 2.5})
+    """
+    agg: dict[tuple[str, str], dict] = {}
+    for x in samples:
+        sp = x.get("spec") or {}
+        if (x.get("phase") != phase or x.get("concurrency") != concurrency or not x.get("ok")
+                or float(x.get("temperature") or 0.0) != 0.0 or not sp.get("steps")):
+            continue
+        for key in ((x["task"], x["config"]), ("ALL", x["config"])):
+            a = agg.setdefault(key, {"n": 0, "tokens": 0, "steps": 0, "spec_steps": 0, "decode_s": 0.0,
+                                     "runs": [0] * (RUN_CAP + 1), "by_repeat": {}})
+            decode_s = float(x["latency_s"]) - float(x["ttft_s"])
+            a["n"] += 1
+            a["tokens"] += len(x["token_ids"]) - 1
+            a["steps"] += int(sp["steps"])
+            a["spec_steps"] += int(sp.get("spec_steps") or 0)
+            a["decode_s"] += decode_s
+            rep = a["by_repeat"].setdefault(int(x.get("repeat") or 0), [0.0, 0])
+            rep[0] += decode_s
+            rep[1] += int(sp["steps"])
+            for length, g in enumerate(sp.get("run_lengths") or []):
+                a["runs"][min(length, RUN_CAP)] += int(g)
+    rows = []
+    for (task, config), a in sorted(agg.items()):
+        draftless = a["steps"] - a["spec_steps"]
+        rows.append({
+            "task": task, "config": config, "requests": a["n"],
+            "tokens_per_step": round(a["tokens"] / a["steps"], 3),
+            "ms_per_step": round(1000 * a["decode_s"] / a["steps"], 1),
+            "ms_per_step_by_repeat": [round(1000 * t / s, 1) for _, (t, s) in sorted(a["by_repeat"].items()) if s],
+            "draftless": draftless,
+            "predicted": ({k: round(run_tokens_per_step(a["runs"], draftless, k), 3) for k in ks}
+                          if sum(a["runs"]) else {}),
+        })
+    return rows
+
+
+def format_rows(rows: list[dict], ks: tuple[int, ...]) -> str:
+    head = ("| task | config | requests | tokens/step | ms/step | ms/step per repeat | "
+            + " | ".join(f"runs model K={k}" for k in ks) + " |")
+    out = [head, "|" + "---|" * (6 + len(ks))]
+    for r in rows:
+        pred = [f"{r['predicted'][k]:.3f}" if k in r["predicted"] else "-" for k in ks]
+        out.append(f"| {r['task']} | {r['config']} | {r['requests']} | {r['tokens_per_step']:.3f} | "
+                   f"{r['ms_per_step']:.1f} | {' / '.join(map(str, r['ms_per_step_by_repeat']))} | "
+                   + " | ".join(pred) + " |")
+    return "\n".join(out)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cluster.bench.step_split", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("samples", help="a bench run's samples.json")
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--tasks", default=None, help="comma-separated tasks (ALL is the sum); default: every one")
+    p.add_argument("--configs", default=None, help="comma-separated configs; default: every one")
+    p.add_argument("--k", default="2,3,4,5,6", help="K at which the runs model predicts tokens per step")
+    args = p.parse_args(argv)
+    with open(args.samples) as f:
+        data = json.load(f)
+    ks = tuple(int(k) for k in args.k.split(","))
+    rows = split(data["samples"] if isinstance(data, dict) else data, args.concurrency, ks=ks)
+    if args.tasks:
+        rows = [r for r in rows if r["task"] in args.tasks.split(",")]
+    if args.configs:
+        rows = [r for r in rows if r["config"] in args.configs.split(",")]
+    if not rows:
+        print("no greedy samples at that concurrency", file=sys.stderr)
+        return 1
+    print(format_rows(rows, ks))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -114,13 +114,17 @@ def interleaved_order(n_configs: int, n_prompts: int, repeats: int) -> list[tupl
 
     Each prompt runs every configuration back to back; the configuration order is rotated by one
     per prompt and per repeat, so every configuration runs first, second, ... equally often
-    over n_configs consecutive prompts.
+    over n_configs consecutive prompts, and it runs backwards on every other prompt, so a
+    configuration does not always follow the same one (r10, BENCHMARKS.md 2.0h: with a fixed cycle
+    `ngram:5` always ran right after `ngram:4`, and a predecessor effect could not be ruled out).
     """
     order = []
     for r in range(repeats):
         for p in range(n_prompts):
-            shift = (p + r) % n_configs if n_configs else 0
-            order += [(r, p, (shift + i) % n_configs) for i in range(n_configs)]
+            j = p + r
+            shift = j % n_configs if n_configs else 0
+            step = -1 if j % 2 else 1
+            order += [(r, p, (shift + step * i) % n_configs) for i in range(n_configs)]
     return order
 
 

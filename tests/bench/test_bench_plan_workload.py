@@ -53,6 +53,11 @@ def test_interleaved_order_balances_positions():
     firsts = Counter(order[i][2] for i in range(0, 36, 3))
     assert firsts == {0: 4, 1: 4, 2: 4}
     assert P.interleaved_order(2, 1, 2) == [(0, 0, 0), (0, 0, 1), (1, 0, 1), (1, 0, 0)]
+    # Every other prompt runs the cycle backwards: each configuration follows both neighbours.
+    preceded = Counter((order[i - 1][2], order[i][2]) for i in range(36) if i % 3)
+    assert set(preceded) == {(a, b) for a in range(3) for b in range(3) if a != b}
+    assert P.interleaved_order(4, 2, 1) == [(0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 0, 3),
+                                            (0, 1, 1), (0, 1, 0), (0, 1, 3), (0, 1, 2)]
 
 
 def test_sweep_round_orders_rotate_and_reverse():

@@ -15,44 +15,45 @@ be read as "chose a K with fewer tokens per step" or "its steps were slower".
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Iterable, Optional
 
+from cluster.bench.metrics import Sample
+from cluster.bench.report import load_samples
 from cluster.policy import run_tokens_per_step
 from cluster.speculation import RUN_CAP
 
 
-def split(samples: Iterable[dict], concurrency: int = 1, phase: str = "compare",
+def split(samples: Iterable[Sample], concurrency: int = 1, phase: str = "compare",
           ks: tuple[int, ...] = (2, 3, 4, 5, 6)) -> list[dict]:
     """Rows per (task, config) and ("ALL", config) of the successful greedy samples at `concurrency`.
 
     Decode tokens are the tokens after the first (the first comes from the prefill); time per step
     is (latency - TTFT) / steps.
 
-    >>> s = [{"phase": "compare", "concurrency": 1, "ok": True, "config": "ngram:2", "task": "qa", "repeat": 0,
-    ...       "temperature": 0.0, "token_ids": list(range(7)), "latency_s": 0.5, "ttft_s": 0.1,
-    ...       "spec": {"steps": 4, "spec_steps": 2, "run_lengths": [0, 0, 1, 0, 1]}}]
+    >>> s = [Sample(phase="compare", config="ngram:2", prompt_id="p", category="qa", task="qa", temperature=0.0,
+    ...             concurrency=1, token_ids=list(range(7)), latency_s=0.5, ttft_s=0.1,
+    ...             spec={"steps": 4, "spec_steps": 2, "run_lengths": [0, 0, 1, 0, 1]})]
     >>> r = split(s, ks=(2, 4))[1]  # [0] is the ALL row
     >>> (r["task"], r["config"], r["tokens_per_step"], r["ms_per_step"], r["draftless"], r["predicted"])
     ('qa', 'ngram:2', 1.5, 100.0, 2, {2: 2.0, 4: 2.5})
     """
     agg: dict[tuple[str, str], dict] = {}
     for x in samples:
-        sp = x.get("spec") or {}
-        if (x.get("phase") != phase or x.get("concurrency") != concurrency or not x.get("ok")
-                or float(x.get("temperature") or 0.0) != 0.0 or not sp.get("steps")):
+        sp = x.spec or {}
+        if (x.phase != phase or x.concurrency != concurrency or not x.ok or x.temperature != 0.0
+                or not sp.get("steps")):
             continue
-        for key in ((x["task"], x["config"]), ("ALL", x["config"])):
+        decode_s = x.latency_s - x.ttft_s
+        for key in ((x.task, x.config), ("ALL", x.config)):
             a = agg.setdefault(key, {"n": 0, "tokens": 0, "steps": 0, "spec_steps": 0, "decode_s": 0.0,
                                      "runs": [0] * (RUN_CAP + 1), "by_repeat": {}})
-            decode_s = float(x["latency_s"]) - float(x["ttft_s"])
             a["n"] += 1
-            a["tokens"] += len(x["token_ids"]) - 1
+            a["tokens"] += x.output_tokens - 1
             a["steps"] += int(sp["steps"])
             a["spec_steps"] += int(sp.get("spec_steps") or 0)
             a["decode_s"] += decode_s
-            rep = a["by_repeat"].setdefault(int(x.get("repeat") or 0), [0.0, 0])
+            rep = a["by_repeat"].setdefault(x.repeat, [0.0, 0])
             rep[0] += decode_s
             rep[1] += int(sp["steps"])
             for length, g in enumerate(sp.get("run_lengths") or []):
@@ -93,10 +94,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--configs", default=None, help="comma-separated configs; default: every one")
     p.add_argument("--k", default="2,3,4,5,6", help="K at which the runs model predicts tokens per step")
     args = p.parse_args(argv)
-    with open(args.samples) as f:
-        data = json.load(f)
     ks = tuple(int(k) for k in args.k.split(","))
-    rows = split(data["samples"] if isinstance(data, dict) else data, args.concurrency, ks=ks)
+    rows = split(load_samples(args.samples)[1], args.concurrency, ks=ks)
     if args.tasks:
         rows = [r for r in rows if r["task"] in args.tasks.split(",")]
     if args.configs:

@@ -3,12 +3,14 @@
 import json
 
 from cluster.bench import step_split
+from cluster.bench.metrics import Sample
 
 
 def sample(config, task, repeat, n_tokens, steps, spec_steps, runs, decode_s, **kw):
-    return {"phase": "compare", "concurrency": 1, "ok": True, "config": config, "task": task, "repeat": repeat,
-            "temperature": 0.0, "token_ids": list(range(n_tokens)), "latency_s": 0.2 + decode_s, "ttft_s": 0.2,
-            "spec": {"steps": steps, "spec_steps": spec_steps, "run_lengths": runs}, **kw}
+    return Sample(**{"phase": "compare", "concurrency": 1, "ok": True, "config": config, "prompt_id": "p",
+                     "category": task, "task": task, "repeat": repeat, "temperature": 0.0,
+                     "token_ids": list(range(n_tokens)), "latency_s": 0.2 + decode_s, "ttft_s": 0.2,
+                     "spec": {"steps": steps, "spec_steps": spec_steps, "run_lengths": runs}, **kw})
 
 
 def test_split_separates_the_two_factors_and_skips_what_is_not_comparable(tmp_path, capsys):
@@ -29,7 +31,7 @@ def test_split_separates_the_two_factors_and_skips_what_is_not_comparable(tmp_pa
     q = rows[("qa", "ngram:5")]
     assert (q["requests"], q["tokens_per_step"], q["ms_per_step"], q["predicted"]) == (1, 1.0, 80.0, {})
     path = tmp_path / "samples.json"
-    path.write_text(json.dumps({"meta": {}, "samples": samples}))
+    path.write_text(json.dumps({"meta": {}, "samples": [s.to_dict() for s in samples]}))
     assert step_split.main([str(path), "--tasks", "math", "--k", "2,3"]) == 0
     out = capsys.readouterr().out
     assert "| math | ngram:2 | 2 | 1.667 | 125.0 | 100.0 / 150.0 | 1.667 | 1.667 |" in out

@@ -127,9 +127,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("--self-instruct needs --engine vllm")
         from cluster.distill.instruct import self_instruct
 
-        target_key = f"{target.config.vocab_size}:{float(target.model.norm.weight.sum())}"
         train_p = train_p + self_instruct(tok, target_path, train_p, args.self_instruct, args.seed, data_dir,
-                                          target_key=target_key)
+                                          target_key=data.target_key(target))
     train_p = train_p + data.synthetic_instructions(args.synthetic, args.seed)
     train_p, dropped = data.cap_prompts(tok, train_p, args.max_prompt_tokens or None)
     if dropped:

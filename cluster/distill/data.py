@@ -186,7 +186,12 @@ class CorpusSpec:
     seed: int
 
 
-def _job_seed(seed: int, index: int) -> int:
+def target_key(target) -> list:
+    """What identifies the frozen target in a cache key: its vocabulary size and a weight checksum."""
+    return [target.config.to_dict().get("vocab_size"), float(target.model.norm.weight.sum())]
+
+
+def job_seed(seed: int, index: int) -> int:
     return (seed * 100003 + index) % (2**31 - 1)
 
 
@@ -207,10 +212,9 @@ def corpora(
         raise ValueError("engine 'vllm' needs model_path (the target's HF directory)")
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    norm = float(target.model.norm.weight.sum())
     plans = []  # per spec: (root, [(shard index, shard path, [prompt ids])])
     for spec in specs:
-        key = [target.config.to_dict().get("vocab_size"), norm, list(spec.prompts), spec.max_new_tokens,
+        key = [*target_key(target), list(spec.prompts), spec.max_new_tokens,
                spec.temperature, spec.seed] + ([engine] if engine != "transformers" else [])
         root = Path(cache_dir) / f"corpus-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}"
         root.mkdir(parents=True, exist_ok=True)
@@ -228,7 +232,7 @@ def corpora(
                 if not path.exists():
                     for i, ids in enumerate(chunk):
                         jobs.append({"prompt_ids": ids, "max_new_tokens": spec.max_new_tokens,
-                                     "temperature": spec.temperature, "seed": _job_seed(spec.seed, s * shard_size + i)})
+                                     "temperature": spec.temperature, "seed": job_seed(spec.seed, s * shard_size + i)})
                         where.append((si, s))
         if jobs:
             from cluster.distill.vllm_gen import generate_vllm

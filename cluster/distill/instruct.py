@@ -79,7 +79,7 @@ def instruct_jobs(tokenizer, pool: list[str], n: int, seed: int, *, shots: int =
                   temperature: float = 1.0) -> list[dict]:
     """n generation jobs (`cluster.distill.vllm_gen` format), each showing `shots` pool prompts drawn
     with a seeded generator and sampling with its own seed."""
-    from cluster.distill.data import chat_ids
+    from cluster.distill.data import chat_ids, job_seed
 
     if not pool:
         raise ValueError("self-instruct needs at least one pool prompt")
@@ -88,12 +88,12 @@ def instruct_jobs(tokenizer, pool: list[str], n: int, seed: int, *, shots: int =
     for i in range(n):
         examples = rng.sample(pool, min(shots, len(pool)))
         jobs.append({"prompt_ids": chat_ids(tokenizer, instruct_message(examples)), "max_new_tokens": max_new_tokens,
-                     "temperature": temperature, "seed": (seed * 100003 + i) % (2**31 - 1)})
+                     "temperature": temperature, "seed": job_seed(seed, i)})
     return jobs
 
 
 def self_instruct(tokenizer, model_path: str, pool: list[str], n: int, seed: int, cache_dir: Path, *,
-                  target_key: str, oversample: float = 1.5, log_fn: Callable = print,
+                  target_key: list, oversample: float = 1.5, log_fn: Callable = print,
                   generate: Optional[Callable] = None) -> list[str]:
     """Up to n new requests written by the target (one child vLLM engine; cached)."""
     if n <= 0:

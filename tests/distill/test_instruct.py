@@ -64,7 +64,7 @@ def test_self_instruct_generates_once_then_reads_the_cache(tmp_path):
         calls.append(jobs)
         return [[ord(c) for c in replies[i % len(replies)]] for i in range(len(jobs))]
 
-    kw = dict(target_key="t", log_fn=lambda m: None, generate=fake_generate)
+    kw = dict(target_key=["t"], log_fn=lambda m: None, generate=fake_generate)
     pool = ["Write a story about a dragon.", "What is photosynthesis?"]
     got = instruct.self_instruct(DecodingTokenizer(), "/m", pool, 3, 0, tmp_path, **kw)
     assert got == ["Describe a rainy day in a city.", "Explain why the sky is blue.", "List three uses of copper."]

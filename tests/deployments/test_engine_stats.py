@@ -72,3 +72,18 @@ def test_engine_kwargs_pool_overrides_win():
     assert kw["scheduler_cls"] == "cluster.vllm_scheduler.PerRequestKScheduler"
     assert kw["async_scheduling"] is False and kw["enforce_eager"] is True and kw["max_num_seqs"] == 64
     assert kw["dtype"] == "float32"
+
+
+def test_engine_kwargs_platform_cpu_build_has_no_chunked_prefill():
+    """The CPU build: no chunked prefill (a split seeded prompt kills the engine core), a budget that
+    holds a whole max_model_len prompt plus draft slots; the GPU build: vLLM's defaults; a pool's
+    own engine_kwargs still win (and max_model_len is read after them)."""
+    pool = CFG.pools["ngram"]
+    cpu = engine_kwargs(pool, "/m", None, "m", cpu_build=True)
+    assert cpu["enable_chunked_prefill"] is False and cpu["max_num_batched_tokens"] > pool.max_model_len
+    gpu = engine_kwargs(pool, "/m", None, "m", cpu_build=False)
+    assert "enable_chunked_prefill" not in gpu and "max_num_batched_tokens" not in gpu
+    own = pool.model_copy(update={"engine_kwargs": {**pool.engine_kwargs, "max_model_len": 4096,
+                                                    "enable_chunked_prefill": True}})
+    kw = engine_kwargs(own, "/m", None, "m", cpu_build=True)
+    assert kw["enable_chunked_prefill"] is True and kw["max_num_batched_tokens"] > 4096

@@ -190,3 +190,12 @@ def test_hold_back_removes_a_validation_prompt_from_every_corpus():
     assert len(train) == 14  # both corpora's samples of the 7 training prompts
     all_train, none = data.hold_back([greedy, sampled], 0)
     assert len(all_train) == 20 and none == []
+
+
+def test_vllm_failure_tail_shows_both_streams():
+    from cluster.distill.vllm_gen import failure_tail
+
+    out = failure_tail("a\nb\nc", "x\nRuntimeError: boom", n=2)
+    assert "child stdout (last 2 lines)" in out and "b\nc" in out and "a" not in out.split("---")[2]
+    assert "RuntimeError: boom" in out
+    assert failure_tail("", None) == "(the child wrote nothing)"

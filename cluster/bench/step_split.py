@@ -7,14 +7,18 @@ first (through K) while the second is the engine's. This splits a `specserve ben
 (drift between repeats is the machine's) and, from each configuration's accepted runs, what the
 policy's runs model (`cluster.policy.run_tokens_per_step`) predicts at other K, so a shortfall can
 be read as "chose a K with fewer tokens per step" or "its steps were slower".
+`--same-k` instead pairs each `auto` request with the static run of the mode and K it chose (same
+prompt, same repeat): whatever differs there is not the choice of K (the router's own cost, the
+per-step cap, or noise).
 
     python -m cluster.bench.step_split SAMPLES.json [--concurrency 1] [--tasks math_reasoning,qa]
-        [--configs ngram:3,ngram:5,auto] [--k 2,3,4,5,6]
+        [--configs ngram:3,ngram:5,auto] [--k 2,3,4,5,6] [--same-k]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from typing import Iterable, Optional
 
@@ -73,6 +77,40 @@ def split(samples: Iterable[Sample], concurrency: int = 1, phase: str = "compare
     return rows
 
 
+def same_k(samples: Iterable[Sample], concurrency: int = 1, phase: str = "compare",
+           config: str = "auto") -> list[dict]:
+    """Per task and ALL: `config`'s greedy requests against the static `mode:k` run of the K each one
+    chose, same prompt and repeat; medians of the per-pair ratios (config over static) of latency,
+    time per decode step and tokens per step.
+
+    >>> mk = lambda c, lat, steps, k=None: Sample(phase="compare", config=c, prompt_id="p", category="qa",
+    ...     task="qa", temperature=0.0, concurrency=1, token_ids=list(range(9)), latency_s=lat, ttft_s=0.2,
+    ...     spec={"steps": steps, "mode": "ngram", "k": k})
+    >>> r = same_k([mk("auto", 1.0, 4, k=3), mk("ngram:3", 0.8, 4), mk("ngram:4", 9.0, 2)])[1]
+    >>> (r["task"], r["pairs"], r["latency"], r["ms_per_step"], r["tokens_per_step"])
+    ('qa', 1, 1.25, 1.333, 1.0)
+    """
+    keep = {}
+    for x in samples:
+        if (x.phase == phase and x.concurrency == concurrency and x.ok and x.temperature == 0.0
+                and (x.spec or {}).get("steps")):
+            keep[(x.config, x.prompt_id, x.repeat)] = x
+    pairs: dict[str, list[tuple[float, float, float]]] = {}
+    for (c, prompt, rep), x in keep.items():
+        static = keep.get((f"{x.spec.get('mode')}:{x.spec.get('k')}", prompt, rep)) if c == config else None
+        if static is None:
+            continue
+        ms = lambda z: (z.latency_s - z.ttft_s) / z.spec["steps"]
+        tps = lambda z: (z.output_tokens - 1) / z.spec["steps"]
+        ratio = (x.latency_s / static.latency_s, ms(x) / ms(static) if ms(static) else float("nan"),
+                 tps(x) / tps(static) if tps(static) else float("nan"))
+        for task in ("ALL", x.task):
+            pairs.setdefault(task, []).append(ratio)
+    return [{"task": t, "pairs": len(v), **{name: round(statistics.median(col), 3) for name, col in
+                                            zip(("latency", "ms_per_step", "tokens_per_step"), zip(*v))}}
+            for t, v in sorted(pairs.items())]
+
+
 def format_rows(rows: list[dict], ks: tuple[int, ...]) -> str:
     head = ("| task | config | requests | tokens/step | ms/step | ms/step per repeat | "
             + " | ".join(f"runs model K={k}" for k in ks) + " |")
@@ -93,8 +131,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--tasks", default=None, help="comma-separated tasks (ALL is the sum); default: every one")
     p.add_argument("--configs", default=None, help="comma-separated configs; default: every one")
     p.add_argument("--k", default="2,3,4,5,6", help="K at which the runs model predicts tokens per step")
+    p.add_argument("--same-k", action="store_true",
+                   help="pair each auto request with the static run of the K it chose (medians of the ratios)")
     args = p.parse_args(argv)
     ks = tuple(int(k) for k in args.k.split(","))
+    if args.same_k:
+        rows = same_k(load_samples(args.samples)[1], args.concurrency)
+        rows = [r for r in rows if not args.tasks or r["task"] in args.tasks.split(",")]
+        if not rows:
+            print("no auto request has a static run of its K at that concurrency", file=sys.stderr)
+            return 1
+        print("| task | pairs | latency auto/static | ms/step auto/static | tokens/step auto/static |\n|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['task']} | {r['pairs']} | {r['latency']:.3f} | {r['ms_per_step']:.3f} | {r['tokens_per_step']:.3f} |")
+        return 0
     rows = split(load_samples(args.samples)[1], args.concurrency, ks=ks)
     if args.tasks:
         rows = [r for r in rows if r["task"] in args.tasks.split(",")]

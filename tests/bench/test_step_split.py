@@ -36,3 +36,19 @@ def test_split_separates_the_two_factors_and_skips_what_is_not_comparable(tmp_pa
     out = capsys.readouterr().out
     assert "| math | ngram:2 | 2 | 1.667 | 125.0 | 100.0 / 150.0 | 1.667 | 1.667 |" in out
     assert step_split.main([str(path), "--concurrency", "32"]) == 1
+
+
+def test_same_k_pairs_auto_with_the_static_run_of_the_k_it_chose(tmp_path, capsys):
+    chose = lambda k: {"mode": "ngram", "k": k}
+    auto = [sample("auto", "math", 0, 11, 5, 4, [], 1.0, spec={"steps": 5, **chose(3)}),
+            sample("auto", "qa", 1, 11, 10, 0, [], 1.0, spec={"steps": 10, **chose(6)})]  # no ngram:6 run: unpaired
+    static = [sample("ngram:3", "math", 0, 11, 5, 4, [], 0.8), sample("ngram:4", "math", 0, 11, 2, 1, [], 0.1),
+              sample("ngram:3", "math", 1, 11, 5, 4, [], 0.1)]  # another repeat: not its pair
+    rows = step_split.same_k(auto + static)
+    assert rows == [{"task": "ALL", "pairs": 1, "latency": 1.2, "ms_per_step": 1.25, "tokens_per_step": 1.0},
+                    {"task": "math", "pairs": 1, "latency": 1.2, "ms_per_step": 1.25, "tokens_per_step": 1.0}]
+    path = tmp_path / "samples.json"
+    path.write_text(json.dumps({"meta": {}, "samples": [s.to_dict() for s in auto + static]}))
+    assert step_split.main([str(path), "--same-k"]) == 0
+    assert "| math | 1 | 1.200 | 1.250 | 1.000 |" in capsys.readouterr().out
+    assert step_split.main([str(path), "--same-k", "--concurrency", "4"]) == 1

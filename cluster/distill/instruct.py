@@ -25,6 +25,12 @@ ASK = ("Here are examples of requests that users send to an AI assistant:\n\n{ex
        "Write one new request of the same kind about a different subject. Reply with the request only.")
 _LEAD = re.compile(r"^\s*(?:(?:new\s+)?request\s*\d*\s*[:.)-]|\d+\s*[.)]|[-*•]|#+)\s*", re.IGNORECASE)
 _QUOTES = "\"'“”‘’`"
+# A lead-in the target often writes before (or instead of) the request: "Here's a new request: ...".
+_INTRO = re.compile(r"^[^\n]{0,80}?\b(?:new|another|one)\s+(?:request|example)\s*:\s*", re.IGNORECASE)
+# Echoes of the instruction itself (first words of each of ASK's sentences), lower-cased.
+_ECHOES = ("here are examples of requests", "write one new request of the same kind", "reply with the request only")
+# Bump when parse_request changes what it keeps: the cached picks depend on it.
+PARSE_VERSION = 2
 
 
 def instruct_message(examples: list[str], max_example_chars: int = 300) -> str:
@@ -40,11 +46,16 @@ def instruct_message(examples: list[str], max_example_chars: int = 300) -> str:
 def parse_request(text: str, min_chars: int = 15, max_chars: int = 600) -> Optional[str]:
     """The request in the target's reply, or None when there is none usable.
 
-    Takes the first paragraph, strips a leading "Request:", a list number or bullet and wrapping
-    quotes; refuses what is shorter than `min_chars`, longer than `max_chars`, or has no letter.
+    Takes the first paragraph (the next one when the first is a lead-in ending in ":"), strips a
+    lead-in such as "Here's a new request:", a leading "Request:", a list number or bullet and
+    wrapping quotes; refuses an echo of the instruction, and what is shorter than `min_chars`,
+    longer than `max_chars`, or has no letter.
     """
-    para = next((p for p in re.split(r"\n\s*\n", text.strip()) if p.strip()), "")
-    para = " ".join(para.split())
+    paras = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text.strip()) if p.strip()] or [""]
+    para = paras[0]
+    if para.endswith(":"):
+        para = paras[1] if len(paras) > 1 else ""
+    para = _INTRO.sub("", para, count=1).strip()
     for _ in range(3):  # e.g. '1. Request: "..."'
         stripped = _LEAD.sub("", para, count=1).strip()
         if stripped == para:
@@ -53,6 +64,8 @@ def parse_request(text: str, min_chars: int = 15, max_chars: int = 600) -> Optio
     if len(para) >= 2 and para[0] in _QUOTES and para[-1] in _QUOTES:
         para = para[1:-1].strip()
     if not (min_chars <= len(para) <= max_chars) or not re.search(r"[A-Za-z]", para):
+        return None
+    if any(e in para.lower() for e in _ECHOES):
         return None
     return para
 
@@ -98,7 +111,7 @@ def self_instruct(tokenizer, model_path: str, pool: list[str], n: int, seed: int
     """Up to n new requests written by the target (one child vLLM engine; cached)."""
     if n <= 0:
         return []
-    key = [target_key, sorted(pool), n, seed, oversample, ASK]
+    key = [target_key, sorted(pool), n, seed, oversample, ASK, PARSE_VERSION]
     path = Path(cache_dir) / f"instruct-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:12]}.json"
     if path.exists():
         out = json.loads(path.read_text())

@@ -22,6 +22,12 @@ def test_message_numbers_and_cuts_examples_on_a_word():
     ("New request 3: Compare cats and dogs as pets.", "Compare cats and dogs as pets."),
     ("- Summarize the plot of Hamlet briefly.", "Summarize the plot of Hamlet briefly."),
     ("\n\n  What is the capital of\n France and why?  ", "What is the capital of France and why?"),
+    ("Here's a new request:\n\nExplain how volcanoes form.", "Explain how volcanoes form."),  # lead-in, then the request
+    ('Here is a new request: "Plan a picnic for six people."', "Plan a picnic for six people."),
+    ("That's my idea! One new request: List three uses of copper.", "List three uses of copper."),
+    ("Here is a new request:", None),  # a lead-in with nothing after it
+    ("Here are examples of requests that users send to an AI assistant.", None),  # the instruction echoed
+    ("Write one new request of the same kind about a different subject, about stars.", None),
     ("Hi.", None),  # too short
     ("1234567890 1234567890", None),  # no letter
     ("x" * 700, None),  # too long

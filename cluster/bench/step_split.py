@@ -28,6 +28,19 @@ from cluster.policy import run_tokens_per_step
 from cluster.speculation import RUN_CAP
 
 
+def _greedy(samples: Iterable[Sample], concurrency: int, phase: str) -> Iterable[Sample]:
+    """The successful greedy samples of `phase` at `concurrency` that report their step count: the
+    only ones whose tokens and steps compare across configurations."""
+    return (x for x in samples if x.phase == phase and x.concurrency == concurrency and x.ok
+            and x.temperature == 0.0 and (x.spec or {}).get("steps"))
+
+
+def _decode_per_step(x: Sample) -> tuple[float, float]:
+    """(seconds, tokens) per step of a decode; the first token comes from the prefill."""
+    steps = x.spec["steps"]
+    return (x.latency_s - x.ttft_s) / steps, (x.output_tokens - 1) / steps
+
+
 def split(samples: Iterable[Sample], concurrency: int = 1, phase: str = "compare",
           ks: tuple[int, ...] = (2, 3, 4, 5, 6)) -> list[dict]:
     """Rows per (task, config) and ("ALL", config) of the successful greedy samples at `concurrency`.
@@ -43,11 +56,8 @@ def split(samples: Iterable[Sample], concurrency: int = 1, phase: str = "compare
     ('qa', 'ngram:2', 1.5, 100.0, 2, {2: 2.0, 4: 2.5})
     """
     agg: dict[tuple[str, str], dict] = {}
-    for x in samples:
-        sp = x.spec or {}
-        if (x.phase != phase or x.concurrency != concurrency or not x.ok or x.temperature != 0.0
-                or not sp.get("steps")):
-            continue
+    for x in _greedy(samples, concurrency, phase):
+        sp = x.spec
         decode_s = x.latency_s - x.ttft_s
         for key in ((x.task, x.config), ("ALL", x.config)):
             a = agg.setdefault(key, {"n": 0, "tokens": 0, "steps": 0, "spec_steps": 0, "decode_s": 0.0,
@@ -90,20 +100,15 @@ def same_k(samples: Iterable[Sample], concurrency: int = 1, phase: str = "compar
     >>> (r["task"], r["pairs"], r["latency"], r["ms_per_step"], r["tokens_per_step"])
     ('qa', 1, 1.25, 1.333, 1.0)
     """
-    keep = {}
-    for x in samples:
-        if (x.phase == phase and x.concurrency == concurrency and x.ok and x.temperature == 0.0
-                and (x.spec or {}).get("steps")):
-            keep[(x.config, x.prompt_id, x.repeat)] = x
+    keep = {(x.config, x.prompt_id, x.repeat): x for x in _greedy(samples, concurrency, phase)}
     pairs: dict[str, list[tuple[float, float, float]]] = {}
     for (c, prompt, rep), x in keep.items():
         static = keep.get((f"{x.spec.get('mode')}:{x.spec.get('k')}", prompt, rep)) if c == config else None
         if static is None:
             continue
-        ms = lambda z: (z.latency_s - z.ttft_s) / z.spec["steps"]
-        tps = lambda z: (z.output_tokens - 1) / z.spec["steps"]
-        ratio = (x.latency_s / static.latency_s, ms(x) / ms(static) if ms(static) else float("nan"),
-                 tps(x) / tps(static) if tps(static) else float("nan"))
+        (ms, tps), (ms_static, tps_static) = _decode_per_step(x), _decode_per_step(static)
+        ratio = (x.latency_s / static.latency_s, ms / ms_static if ms_static else float("nan"),
+                 tps / tps_static if tps_static else float("nan"))
         for task in ("ALL", x.task):
             pairs.setdefault(task, []).append(ratio)
     return [{"task": t, "pairs": len(v), **{name: round(statistics.median(col), 3) for name, col in

@@ -154,7 +154,7 @@ class AutoscaleRecords:
 
     def __init__(self, redis_cfg: Mapping[str, Any], pools: list[str], interval_s: float = 1.0, start: bool = True):
         self.pools = list(pools)
-        self.keys = [record_key(redis_cfg.get("key_prefix", "specserve:v2"), p) for p in self.pools]
+        self.keys = [record_key(redis_cfg.get("key_prefix", "specserve:v3"), p) for p in self.pools]
         self.interval_s = interval_s
         self._client = _redis_client(redis_cfg, timeout_s=max(float(redis_cfg.get("socket_timeout_s", 0.05)), 0.25))
         self._records: dict[str, dict] = {}

@@ -289,9 +289,10 @@ class RedisConfig(_Strict):
         True, description="`specserve up` starts a local redis-server on the URL's port if none answers."
     )
     socket_timeout_s: float = Field(0.05, gt=0, description="Per-call timeout; past it the router serves on defaults.")
-    key_prefix: str = Field("specserve:v2", description=(
+    key_prefix: str = Field("specserve:v3", description=(
         "Namespace of every key; its version changes with the tuning cells' fields (v2 added the "
-        "accepted-run counts r{L}, which a v1 reader would reject as unknown)."))
+        "accepted-run counts r{L}, v3 the steps and decode seconds per K s{K} / t{K}, which an "
+        "older reader would reject as unknown)."))
     password_env: Optional[str] = Field(
         "SPECSERVE_REDIS_PASSWORD",
         description="Environment variable holding the Redis password (ACL user in the URL: redis://user@host/0).",

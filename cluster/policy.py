@@ -44,8 +44,16 @@ pool's per-step `k_cap_by_batch` table from the same state. Words are those of
   pays ~0.2 of a step and a token ~0.02 more: auto chose K = 1-2 and lost to a static K = 4, r8.)
   (A linear 1 + c·K with a GPU-like c = 0.05 for EAGLE let K = 1 look 10% faster than plain
   decoding for classes the head drafts at α ≈ 0.2, where it measured 0.85x.)
+  The line is the prior of a **step time per K**: every request adds its steps and decode time to
+  its K's counters (`s{K}` / `t{K}`), and where a K has enough steps its measured overhead (each
+  class against its own plain steps) replaces the line by step counts (`step_overheads`). The
+  cost is not linear here: n-gram steps at K = 6 took ~5% more than at K = 4, and at K = 1 ~6%
+  more than plain ones, in both r11 and r12, which the line fitted through auto's traffic read
+  as 0.004 per draft token (auto chose K = 6 for half its requests, ~1.5% per step dearer than
+  `ngram:4`).
 - **score** of (pool, K): expected output tokens per unit of plain-step time at batch 1,
-  E(K) / (step_rel(batch) · (1 + f + c·K)) — proportional to the request's tokens per second.
+  E(K) / (step_rel(batch) · (1 + overhead(K))), overhead(K) = f + c·K or its measured value at K
+  — proportional to the request's tokens per second.
 - **load bucket**: the batch the request joins (`PoolView.load_batch + 1`: the pool's batch per
   replica, or the whole hardware group's load when pools share hardware) bucketed as
   1, 2-3, 4-7, 8-15, 16+. A request is decided in the bucket of its admission; its statistics are
@@ -154,6 +162,8 @@ class CellStats:
     accepted_at: tuple[int, ...] = ()  # [i] = steps in which draft position i was accepted
     exposed_at: tuple[int, ...] = ()  # [i] = steps in which draft position i was drafted
     runs: tuple[int, ...] = ()  # [L] = accepted runs of L tokens (cluster.speculation.accepted_runs)
+    steps_at_k: tuple[int, ...] = ()  # [K] = steps of the requests that ran at K } the measured
+    decode_s_at_k: tuple[float, ...] = ()  # [K] = their decode seconds         } step time per K
     updated_unix_s: float = 0.0
 
     @property
@@ -209,15 +219,23 @@ class CellStats:
             accepted_at=_add_counts(self.accepted_at, other.accepted_at, n),
             exposed_at=_add_counts(self.exposed_at, other.exposed_at, n),
             runs=_add_counts(self.runs, other.runs),
+            steps_at_k=_add_counts(self.steps_at_k, other.steps_at_k),
+            decode_s_at_k=_add_counts(self.decode_s_at_k, other.decode_s_at_k),
             updated_unix_s=max(self.updated_unix_s, other.updated_unix_s),
         )
+
+    def step_s_at(self, k: int) -> Optional[float]:
+        """Mean decode seconds per step of the requests that ran at K (None without steps there)."""
+        if 0 <= k < len(self.steps_at_k) and self.steps_at_k[k] > 0 and k < len(self.decode_s_at_k):
+            return self.decode_s_at_k[k] / self.steps_at_k[k]
+        return None
 
     @property
     def draftless_steps(self) -> int:
         return self.steps - self.drafting_steps
 
 
-def _add_counts(a: tuple[int, ...], b: tuple[int, ...], width: int = 0) -> tuple[int, ...]:
+def _add_counts(a: tuple, b: tuple, width: int = 0) -> tuple:
     """Element-wise sum, the shorter padded with zeros, at least `width` long."""
     n = max(len(a), len(b), width)
     return tuple(x + y for x, y in zip(tuple(a) + (0,) * (n - len(a)), tuple(b) + (0,) * (n - len(b))))
@@ -484,6 +502,71 @@ def cost_per_k(view: Optional[TuningView], mode: str, bucket: str, params: Polic
     return step_cost(view, mode, bucket, params, draft_cost)[1]
 
 
+def measured_overheads(view: Optional[TuningView], mode: str, bucket: str,
+                       params: PolicyParams = DEFAULT_PARAMS) -> dict[int, tuple[float, int]]:
+    """{K: (overhead, steps)}: the measured extra time of a step of `mode` at K in `bucket`, relative
+    to a plain step, for every K > 0 with at least `min_cost_steps` steps. Each class's steps at K
+    are compared with that class's own plain steps in the bucket (else the bucket's plain steps,
+    all classes pooled), and the ratios averaged by steps: classes decode at different lengths and
+    the policy's K follows the class, so one pooled mean would charge K for the class's text.
+    Negative overheads (a drafting step measured faster than a plain one: noise) read 0.
+
+    Two classes whose plain steps differ by 20%, each drafted at its own K and 10% dearer there:
+
+    >>> def c(k, n, s):
+    ...     return CellStats(steps=n, decode_s=n * s, steps_at_k=(0,) * k + (n,), decode_s_at_k=(0.0,) * k + (n * s,))
+    >>> v = TuningView("m", {("none", "chat", "1"): c(0, 1000, 0.10), ("none", "rag", "1"): c(0, 1000, 0.12),
+    ...                       ("ngram", "chat", "1"): c(6, 1000, 0.11), ("ngram", "rag", "1"): c(3, 1000, 0.132)})
+    >>> {k: (round(o, 3), n) for k, (o, n) in sorted(measured_overheads(v, "ngram", "1").items())}
+    {3: (0.1, 1000), 6: (0.1, 1000)}
+    """
+    if view is None or mode == SpecMode.NONE.value:
+        return {}
+    pooled = view.merged(SpecMode.NONE.value, bucket).step_s
+    sums: dict[int, list[float]] = {}  # K -> [sum of steps * ratio, steps]
+    for (m, wclass, b), cell in view.cells.items():
+        if m != mode or b != bucket or not cell.steps_at_k:
+            continue
+        plain = view.cell(SpecMode.NONE.value, wclass, bucket)
+        base = plain.step_s if plain.steps >= params.min_cost_steps else pooled
+        if not base:
+            continue
+        for k in range(1, len(cell.steps_at_k)):
+            t = cell.step_s_at(k)
+            if t is not None:
+                acc = sums.setdefault(k, [0.0, 0])
+                acc[0] += cell.steps_at_k[k] * (t / base)
+                acc[1] += cell.steps_at_k[k]
+    return {k: (min(max(r / n - 1.0, 0.0), 2.0 + 0.5 * k), int(n))
+            for k, (r, n) in sums.items() if n >= params.min_cost_steps}
+
+
+def step_overheads(view: Optional[TuningView], mode: str, bucket: str, max_k: int,
+                   params: PolicyParams = DEFAULT_PARAMS,
+                   draft_cost: Optional[tuple[float, float]] = None) -> tuple[float, ...]:
+    """[K] = extra time of a step at K relative to a plain step, for K = 0..max_k ([0] = 0): the
+    linear f + c·K of `step_cost` (fitted over every K, or the prior) blended, at each K where
+    requests ran, with that K's measured overhead (`measured_overheads`) by its steps against
+    `prior_cost_steps`. The linear model cannot see a step cost that is not linear in K, and on
+    this CPU it is not: in r11 and r12 n-gram steps at K = 6 took ~5% more than at K = 4 and those at
+    K = 1 ~6% more than plain ones, where the fit over auto's traffic read 0.004 per draft token
+    (auto chose K = 6 for half its requests and lost ~1.5% per step to `ngram:4`).
+
+    >>> def c(k, n, s):
+    ...     return CellStats(steps=n, decode_s=n * s, steps_at_k=(0,) * k + (n,), decode_s_at_k=(0.0,) * k + (n * s,))
+    >>> v = TuningView("m", {("none", "chat", "1"): c(0, 10**6, 0.100), ("ngram", "chat", "1"): c(4, 10**6, 0.100),
+    ...                       ("ngram", "code", "1"): c(6, 10**6, 0.105)})
+    >>> [round(x, 3) for x in step_overheads(v, "ngram", "1", 6)]  # K without steps: the prior, 0.04 per token
+    [0.0, 0.04, 0.08, 0.12, 0.0, 0.2, 0.05]
+    """
+    fixed, per_k = step_cost(view, mode, bucket, params, draft_cost)
+    linear = [0.0] + [fixed + per_k * k for k in range(1, max(max_k, 0) + 1)]
+    for k, (measured, n) in measured_overheads(view, mode, bucket, params).items():
+        if k < len(linear):
+            linear[k] = _blend(measured, float(n), linear[k], params.prior_cost_steps)
+    return tuple(linear)
+
+
 def _bucket_step_rel(view: Optional[TuningView], bucket: str, params: PolicyParams) -> float:
     prior = 1.0 + params.step_time_per_batch * (BUCKET_BATCH[bucket] - 1.0)
     if view is None or bucket == "1":
@@ -509,6 +592,12 @@ def score_tokens(tokens: float, k: int, cost: float, step_rel: float = 1.0, fixe
     K > 0."""
     overhead = (max(fixed, 0.0) + max(cost, 0.0) * k) if k > 0 else 0.0
     return tokens / (step_rel * (1.0 + overhead))
+
+
+def score_at(tokens: float, overhead: float, step_rel: float = 1.0) -> float:
+    """Expected tokens per unit of batch-1 plain-step time, E / (step_rel · (1 + overhead)), for a
+    step whose extra time relative to a plain step is `overhead` (`step_overheads`)."""
+    return tokens / (step_rel * (1.0 + max(overhead, 0.0)))
 
 
 def score(alpha: float, k: int, cost: float, step_rel: float = 1.0, draft_rate: float = 1.0,
@@ -561,6 +650,7 @@ class Candidate:
     fixed_cost: float = 0.0  # f: the proposer's fixed cost of a drafting step
     runs: tuple[int, ...] = ()  # measured accepted runs of the class ([L] = runs of L tokens)
     draftless: float = 0.0  # ... and its steps that drafted nothing
+    overheads: tuple[float, ...] = (0.0,)  # [K] = extra step time at K (`step_overheads`)
 
     def expected(self, k: int, alpha: Optional[float] = None, runs=None,
                  params: "PolicyParams" = None) -> float:
@@ -582,7 +672,7 @@ _SCORE_CACHE_MAX = 4096
 
 
 def _pool_scores(view, mode, workload_class, bucket, max_k, step_rel, priors, params, draft_cost=None):
-    """(alpha, (a, b), p, (f, c), runs, {K: score}) of one cell. α, p and the runs are learned per (mode, class) over every
+    """(alpha, (a, b), p, (f, c), runs, overheads, {K: score}) of one cell. α, p and the runs are learned per (mode, class) over every
     load bucket; the cost per K per bucket. Memoised per view refresh: the result depends only on
     the view's cells (replaced as a whole on each refresh), so the request path pays the posterior
     and cost arithmetic once per cell and refresh, not once per request."""
@@ -594,8 +684,9 @@ def _pool_scores(view, mode, workload_class, bucket, max_k, step_rel, priors, pa
     alpha, (a, b), p = class_model(view, mode, workload_class, priors, params)
     runs, draftless = class_runs(view, mode, workload_class)
     fixed, cost = step_cost(view, mode, bucket, params, draft_cost)
-    result = (alpha, (a, b), p, (fixed, cost), (runs, draftless),
-              {k: score_tokens(expected_tokens(alpha, k, p, runs, draftless, params), k, cost, step_rel, fixed)
+    overheads = step_overheads(view, mode, bucket, max_k, params, draft_cost)
+    result = (alpha, (a, b), p, (fixed, cost), (runs, draftless), overheads,
+              {k: score_at(expected_tokens(alpha, k, p, runs, draftless, params), overheads[k], step_rel)
                for k in range(max_k + 1)})
     if len(_SCORE_CACHE) >= _SCORE_CACHE_MAX:
         _SCORE_CACHE.clear()
@@ -635,11 +726,11 @@ def score_pool(pool, workload_class: str, view: Optional[TuningView], params: Po
     max_k = min(max(int(pool.max_k), 0), MAX_K)
     if pool.method == SpecMode.NONE or max_k == 0:
         return Candidate(pool, bucket, 0.0, (0.0, 1.0), 1.0, 0.0, step_rel, {0: score(0.0, 0, 0.0, step_rel)}, 0)
-    alpha, (a, b), p, (fixed, cost), (runs, draftless), scores = _pool_scores(
+    alpha, (a, b), p, (fixed, cost), (runs, draftless), overheads, scores = _pool_scores(
         view, mode, workload_class, bucket, max_k, step_rel, pool.prior_alpha, params, pool.prior_draft_cost)
     incumbent = view.chosen_k.get((mode, workload_class, bucket)) if view is not None else None
     return Candidate(pool, bucket, alpha, (a, b), p, cost, step_rel, scores, hysteresis_k(scores, incumbent, params),
-                     fixed, runs, draftless)
+                     fixed, runs, draftless, overheads)
 
 
 def _sampled(cand: Candidate, rng: random.Random, params: PolicyParams) -> tuple[float, int]:
@@ -654,7 +745,7 @@ def _sampled(cand: Candidate, rng: random.Random, params: PolicyParams) -> tuple
         draws = [rng.gammavariate(g, 1.0) if g > 0 else 0.0 for g in runs]
         total = sum(draws)
         runs = tuple(d * n / total for d in draws) if total > 0 else runs
-    scores = {k: score_tokens(cand.expected(k, alpha, runs, params), k, cand.cost, cand.step_rel, cand.fixed_cost)
+    scores = {k: score_at(cand.expected(k, alpha, runs, params), cand.overheads[k], cand.step_rel)
               for k in cand.scores}
     k = best_k(scores, params.tie_tol)
     return scores[k], k
@@ -713,6 +804,7 @@ def choose_auto(
         "load_bucket": chosen.bucket, "pool_mode": chosen.mode, "explore": explore,
         "alpha": round(chosen.alpha, 4), "draft_rate": round(chosen.draft_rate, 4),
         "cost_per_k": round(chosen.cost, 4), "cost_per_step": round(chosen.fixed_cost, 4),
+        "step_overhead": round(chosen.overheads[k] if k < len(chosen.overheads) else 0.0, 4),
         "expected_tokens_per_step": round(chosen.expected(k, params=params), 4),
         "score": round(chosen.scores[k], 4),
         "scores": {c.pool.name: round(c.scores[c.k], 4) for c in cands},
@@ -759,16 +851,15 @@ def k_cap_table(
         runs, draftless = class_runs(view, mode, c)
         tokens[c] = [expected_tokens(alpha, k, p, runs, draftless, params) for k in range(max_k + 1)]
     admitted = {}
-    fixed, cost = step_cost(view, mode, "1", params, draft_cost)
+    overheads = step_overheads(view, mode, "1", max_k, params, draft_cost)
     for c in weights:
-        admitted[c] = best_k({k: score_tokens(tokens[c][k], k, cost, 1.0, fixed) for k in range(max_k + 1)},
-                             params.tie_tol)
+        admitted[c] = best_k({k: score_at(tokens[c][k], overheads[k]) for k in range(max_k + 1)}, params.tie_tol)
     table: list[tuple[int, int]] = []
     previous = max_k
     for start, bucket in LOAD_BUCKETS:
-        fixed, cost = step_cost(view, mode, bucket, params, draft_cost)
+        overheads = step_overheads(view, mode, bucket, max_k, params, draft_cost)
         totals = {
-            cap: sum(w * score_tokens(tokens[c][min(admitted[c], cap)], min(admitted[c], cap), cost, 1.0, fixed)
+            cap: sum(w * score_at(tokens[c][min(admitted[c], cap)], overheads[min(admitted[c], cap)])
                      for c, w in weights.items())
             for cap in range(previous + 1)
         }

@@ -219,7 +219,7 @@ def explain_choices(
             d = choose_auto(loaded, router, wclass, tuning, rng=None)
             rows.append({"batch": batch, "workload_class": wclass, "pool": d.pool, "mode": d.mode.value,
                          "k": d.k, **{f: d.detail.get(f) for f in (
-                             "load_bucket", "alpha", "draft_rate", "cost_per_k", "cost_per_step", "expected_tokens_per_step",
+                             "load_bucket", "alpha", "draft_rate", "cost_per_k", "cost_per_step", "step_overhead", "expected_tokens_per_step",
                              "score", "scores")}})
     return rows
 

@@ -7,9 +7,10 @@ of HINCRBY / HINCRBYFLOAT, so router replicas add up, with a TTL on every key) a
 views from Redis. Redis down, slow or poisoned: requests still get a view (priors when empty);
 writes are kept (aggregated per key, bounded) and resume by themselves when Redis answers again.
 
-Keys: `{prefix}:{model}:{mode}:{class}:{bucket}` (prefix `specserve:v2` from RedisConfig), one hash
+Keys: `{prefix}:{model}:{mode}:{class}:{bucket}` (prefix `specserve:v3` from RedisConfig), one hash
 per tuning cell with the count fields of `cluster.policy.CellStats` (`a{i}` / `e{i}` are the
-per-position accepted / exposed steps), `chosen_k` (the incumbent K) and `updated` (unix s).
+per-position accepted / exposed steps, `r{L}` the accepted runs of L tokens, `s{K}` / `t{K}` the
+steps and decode seconds of the requests that ran at K), `chosen_k` (the incumbent K) and `updated` (unix s).
 A cell that is the wrong type, too big, has unknown fields, non-numeric or out-of-range values, or
 is stale is ignored with a (rate-limited) warning and a counter, and deleted so writers can rebuild it.
 """
@@ -39,11 +40,13 @@ from cluster.speculation import RUN_CAP, WORKLOAD_CLASSES, SpecMode, SpecStats
 log = logging.getLogger("specserve.tuning")
 
 INT_FIELDS = ("requests", "steps", "drafted", "accepted", "rejected_steps", "k_steps", "kk_steps", "tokens")
-FLOAT_FIELDS = ("decode_s", "k_decode_s")
 _ACC_NAMES = tuple(f"a{i}" for i in range(MAX_K))  # accepted at position i
 _EXP_NAMES = tuple(f"e{i}" for i in range(MAX_K))  # drafted (exposed) at position i
 _RUN_NAMES = tuple(f"r{i}" for i in range(RUN_CAP + 1))  # accepted runs of i tokens
-POSITION_FIELDS = _ACC_NAMES + _EXP_NAMES + _RUN_NAMES
+_STEPS_AT_K = tuple(f"s{k}" for k in range(MAX_K + 1))  # steps of the requests that ran at K
+_DECODE_AT_K = tuple(f"t{k}" for k in range(MAX_K + 1))  # ... and their decode seconds
+FLOAT_FIELDS = ("decode_s", "k_decode_s") + _DECODE_AT_K  # HINCRBYFLOAT; the rest HINCRBY
+POSITION_FIELDS = _ACC_NAMES + _EXP_NAMES + _RUN_NAMES + _STEPS_AT_K
 META_FIELDS = ("chosen_k", "updated")
 KNOWN_FIELDS = frozenset(INT_FIELDS + FLOAT_FIELDS + POSITION_FIELDS + META_FIELDS)
 MAX_FIELDS = len(KNOWN_FIELDS)
@@ -80,7 +83,8 @@ def increments_from_stats(
     all K positions count as drafted. Exposure of position i (`e{i}`) is drafted_per_position[i]
     (else the request's steps when K > i). `r{L}` counts the request's accepted runs of L tokens
     (`SpecStats.run_lengths`), dropped when they claim more runs than steps. decode_s =
-    latency_s - ttft_s."""
+    latency_s - ttft_s; `s{K}` / `t{K}` add the request's steps and decode_s at its K (the step time
+    per K of `cluster.policy.measured_overheads`)."""
     k, steps, drafted, accepted = int(stats.k), int(stats.steps), int(stats.drafted), int(stats.accepted)
     if not 0 <= k <= MAX_K:
         raise ValueError(f"k={k} outside 0..{MAX_K}")
@@ -101,7 +105,7 @@ def increments_from_stats(
         "requests": 1, "steps": steps, "drafted": drafted, "accepted": accepted,
         "rejected_steps": min(max(trials - accepted, 0), steps), "k_steps": k * steps, "kk_steps": k * k * steps,
         "tokens": int(output_tokens) if output_tokens is not None else steps + accepted + 1,
-        "decode_s": decode_s, "k_decode_s": k * decode_s,
+        "decode_s": decode_s, "k_decode_s": k * decode_s, f"s{k}": steps, f"t{k}": decode_s,
     }
     for i in range(n):
         if exposed[i]:
@@ -172,6 +176,10 @@ def parse_cell(fields: Mapping, now_unix_s: float, max_age_s: float) -> tuple[Ce
     runs = [int(vals.get(n, 0)) for n in _RUN_NAMES]
     if sum(runs) > steps:
         raise MalformedCell("more accepted runs than steps")
+    at_k = [int(vals.get(n, 0)) for n in _STEPS_AT_K]
+    t_at_k = [float(vals.get(n, 0.0)) for n in _DECODE_AT_K]
+    if sum(at_k) > steps or sum(t_at_k) > float(vals.get("decode_s", 0.0)) * (1 + 1e-9) + 1e-6:
+        raise MalformedCell("steps or decode time at K exceed the cell's")
     chosen = vals.get("chosen_k")
     if chosen is not None and not 0 <= chosen <= MAX_K:
         raise MalformedCell(f"chosen_k={chosen} outside 0..{MAX_K}")
@@ -181,12 +189,14 @@ def parse_cell(fields: Mapping, now_unix_s: float, max_age_s: float) -> tuple[Ce
     if updated and now_unix_s - updated > max_age_s:
         raise MalformedCell(f"stale: updated {now_unix_s - updated:.0f} s ago")
     n = max((i + 1 for i in range(MAX_K) if exp[i] or acc[i]), default=0)
+    width = max((k + 1 for k in range(MAX_K + 1) if at_k[k] or t_at_k[k]), default=0)
     cell = CellStats(
         requests=g("requests"), steps=steps, drafted=g("drafted"), accepted=g("accepted"),
         rejected_steps=g("rejected_steps"), k_steps=g("k_steps"), kk_steps=g("kk_steps"), tokens=g("tokens"),
         k_decode_s=float(vals.get("k_decode_s", 0.0)),
         decode_s=float(vals.get("decode_s", 0.0)), accepted_at=tuple(acc[:n]), exposed_at=tuple(exp[:n]),
         runs=tuple(runs[:max((i + 1 for i, r in enumerate(runs) if r), default=0)]), updated_unix_s=updated,
+        steps_at_k=tuple(at_k[:width]), decode_s_at_k=tuple(t_at_k[:width]),
     )
     return cell, None if chosen is None else int(chosen)
 

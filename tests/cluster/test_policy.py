@@ -16,7 +16,8 @@ from cluster.config import RouterConfig
 from cluster.policy import (
     BUCKET_BATCH, BUCKET_NAMES, LOAD_BUCKETS, CellStats, PolicyParams, TuningView, alpha_posterior, best_k, choose_auto,
     class_weights, cost_per_k, draft_rate, expected_tokens, expected_tokens_per_step, exploration_rate, hysteresis_k,
-    k_cap_table, load_bucket, prior_alpha, prior_cost_per_k, prior_step_cost, run_tokens_per_step, score, step_cost,
+    k_cap_table, load_bucket, measured_overheads, prior_alpha, prior_cost_per_k, prior_step_cost, run_tokens_per_step,
+    score, step_cost, step_overheads,
     step_time_rel, tuning_rows,
 )
 from cluster.routing import PoolView
@@ -738,8 +739,9 @@ def _decode(text, k: int) -> tuple[SpecStats, int, int]:
 def _runs_view(stats: SpecStats, cls: str, per_k_cost: float, k: int) -> TuningView:
     cell = cell_from([stats])
     plain_step = 0.08
+    decode_s = plain_step * (1 + per_k_cost * k) * cell.steps
     return TuningView("m", cells={
-        ("ngram", cls, "1"): replace(cell, decode_s=plain_step * (1 + per_k_cost * k) * cell.steps),
+        ("ngram", cls, "1"): replace(cell, decode_s=decode_s, decode_s_at_k=(0.0,) * k + (decode_s,)),
         ("none", cls, "1"): CellStats(steps=10**6, decode_s=plain_step * 10**6)})
 
 
@@ -856,6 +858,93 @@ def test_a_fixed_cost_at_load_makes_a_large_k_pay_where_the_mean_alone_did_not()
     costs = _cost_cells([(2, 40, 1.254), (4, 40, 1.298)])
     view = TuningView("m", cells={**costs.cells, ("ngram", "summarization", "1"): steps})
     assert choose_auto([ngram(running=4)], ROUTER, "summarization", view).k >= 4
-    # The same overhead at the mean K alone (the old reading) chose K <= 2.
-    mean_only = TuningView("m", cells={key: replace(c, kk_steps=0, k_decode_s=0.0) for key, c in view.cells.items()})
+    # The same overhead at the mean K alone (the old reading, without the regression or the step
+    # time per K) chose K <= 2.
+    mean_only = TuningView("m", cells={key: replace(c, kk_steps=0, k_decode_s=0.0, steps_at_k=(), decode_s_at_k=())
+                                       for key, c in view.cells.items()})
     assert choose_auto([ngram(running=4)], ROUTER, "summarization", mean_only).k <= 2
+
+
+# -- step time per K: a cost that is not linear in K ----------------------------------------------
+
+# ms per step of `ngram:K` over `none` at one stream in r12 (step_split on its samples: 80.6, 75.1,
+# 74.9, 74.5, 75.8, 78.4 against 76.2; r11 had the same shape).
+R12_STEP_REL = {1: 1.058, 2: 0.986, 3: 0.983, 4: 0.978, 5: 0.995, 6: 1.029}
+
+
+def _per_k_view(step_rel=R12_STEP_REL, requests=4, plain_step_s=0.08, segments=3000):
+    """Chat-like n-gram text (short copies, few runs past 4), decoded `requests` times at each K
+    of `step_rel` with steps of plain * step_rel[K], through the real increments and validation."""
+    text = _copy_text(random.Random(3), segments, draftless=0.6,
+                      runs=((0, .5), (1, .15), (2, .1), (3, .1), (4, .08), (6, .07)))
+    decoded = {k: _decode(text, k)[0] for k in step_rel}
+    cell = cell_from_requests((decoded[k], plain_step_s * rel * decoded[k].steps)
+                              for k, rel in step_rel.items() for _ in range(requests))
+    plain = CellStats(steps=10**6, decode_s=plain_step_s * 10**6, steps_at_k=(10**6,), decode_s_at_k=(plain_step_s * 10**6,))
+    return text, TuningView("m", cells={("ngram", "chat", "1"): cell, ("none", "chat", "1"): plain})
+
+
+def _without_per_k(view):
+    return TuningView("m", cells={key: replace(c, steps_at_k=(), decode_s_at_k=()) for key, c in view.cells.items()})
+
+
+def test_step_time_per_k_chooses_the_k_a_linear_cost_cannot_see():
+    """r12: a K = 6 step cost ~5% more than a K = 4 one while the linear fit read 0.004 per draft
+    token, so auto chose K = 6 for half its requests and lost ~1.5% per step to `ngram:4`."""
+    text, view = _per_k_view()
+    truth = {k: (lambda st: st[2] / st[1])(_decode(text, k)) / R12_STEP_REL.get(k, 1.0) for k in range(7)}
+    assert max(truth, key=truth.get) == 4 and truth[6] < 0.98 * truth[4]
+    d = choose_auto([ngram()], ROUTER, "chat", view)
+    assert d.k == 4 and d.detail["step_overhead"] < 0.01
+    over = step_overheads(view, "ngram", "1", 6)
+    assert over[1] > over[4] < over[6]  # the U a line through it flattens
+    # Without the step time per K (the cells as session 10 kept them) the line through every K is
+    # nearly flat (steps below plain ones clamp its intercept to 0) and K = 6, with the most tokens
+    # per step, wins.
+    f, c = step_cost(_without_per_k(view), "ngram", "1")
+    assert f + 6 * c < 0.02
+    assert choose_auto([ngram()], ROUTER, "chat", _without_per_k(view)).k == 6
+
+
+def test_step_time_per_k_needs_enough_steps_and_is_blended_with_the_linear_prior():
+    _, few = _per_k_view(step_rel={3: 1.1, 6: 1.3}, requests=1, segments=150)
+    steps = {k: few.cells[("ngram", "chat", "1")].steps_at_k[k] for k in (3, 6)}
+    assert all(n < P.min_cost_steps for n in steps.values())  # too few: the linear model only
+    assert measured_overheads(few, "ngram", "1") == {}
+    f, c = step_cost(few, "ngram", "1")
+    assert step_overheads(few, "ngram", "1", 6) == pytest.approx((0.0,) + tuple(f + c * k for k in range(1, 7)))
+    _, some = _per_k_view(step_rel={3: 1.1, 6: 1.3}, requests=2, segments=150)
+    n6 = some.cells[("ngram", "chat", "1")].steps_at_k[6]
+    assert n6 >= P.min_cost_steps
+    f, c = step_cost(some, "ngram", "1")
+    w = n6 / (n6 + P.prior_cost_steps)
+    assert step_overheads(some, "ngram", "1", 6)[6] == pytest.approx(w * 0.3 + (1 - w) * (f + 6 * c))
+    _, many = _per_k_view(requests=400)  # the measurement dominates the prior
+    assert step_overheads(many, "ngram", "1", 6) == pytest.approx((0.0, 0.058, 0.0, 0.0, 0.0, 0.0, 0.029), abs=2e-3)
+    assert step_overheads(many, "ngram", "1", 3) == pytest.approx((0.0, 0.058, 0.0, 0.0), abs=2e-3)  # cut at max_k
+    assert step_overheads(many, "ngram", "4-7", 6) == step_overheads(TuningView("m"), "ngram", "4-7", 6)  # per bucket
+    assert step_overheads(many, "none", "1", 0) == (0.0,)
+
+
+def test_step_time_per_k_compares_each_class_with_its_own_plain_steps():
+    """Summaries decode after long prompts (slow steps), chat after short ones; auto drafts the
+    summaries at K = 6 and chat at K = 3. Pooled, K = 6 would read 30% dearer than K = 3 for the
+    text's sake; per class, both steps cost what a plain step of their class costs (+2%)."""
+    def at(k, n, s):
+        return CellStats(steps=n, decode_s=n * s, steps_at_k=(0,) * k + (n,), decode_s_at_k=(0.0,) * k + (n * s,))
+    cells = {("none", "chat", "1"): at(0, 5000, 0.100), ("none", "summarization", "1"): at(0, 5000, 0.130),
+             ("ngram", "chat", "1"): at(3, 5000, 0.102), ("ngram", "summarization", "1"): at(6, 5000, 0.1326)}
+    got = measured_overheads(TuningView("m", cells), "ngram", "1")
+    assert got[3] == (pytest.approx(0.02), 5000) and got[6] == (pytest.approx(0.02), 5000)
+    # A class without plain steps of its own is compared with the bucket's plain steps (pooled).
+    del cells[("none", "summarization", "1")]
+    assert measured_overheads(TuningView("m", cells), "ngram", "1")[6][0] == pytest.approx(0.326)
+    # Drafting steps measured faster than plain ones are noise: 0, never a discount.
+    cells[("ngram", "chat", "1")] = at(3, 5000, 0.09)
+    assert measured_overheads(TuningView("m", cells), "ngram", "1")[3][0] == 0.0
+
+
+def test_the_cap_table_uses_the_step_time_per_k():
+    _, view = _per_k_view(requests=40)
+    assert k_cap_table("ngram", 6, _without_per_k(view))[0] == (1, 6)
+    assert k_cap_table("ngram", 6, view)[0] == (1, 4)

@@ -68,11 +68,11 @@ def test_start_ping_stop(tmp_path):
 def test_data_survives_a_restart_on_the_same_dir(tmp_path):
     port = free_port()
     server = start_local_redis(port, data_dir=tmp_path)
-    redis.Redis(port=port).hset("specserve:v2:test", mapping={"steps": 42})
+    redis.Redis(port=port).hset("specserve:v3:test", mapping={"steps": 42})
     server.stop()
     server = start_local_redis(port, data_dir=tmp_path)
     try:
-        assert redis.Redis(port=port).hget("specserve:v2:test", "steps") == b"42"
+        assert redis.Redis(port=port).hget("specserve:v3:test", "steps") == b"42"
     finally:
         server.stop()
 
@@ -81,13 +81,13 @@ def test_data_survives_a_restart_on_the_same_dir(tmp_path):
 def test_data_survives_a_kill_through_the_aof(tmp_path):
     port = free_port()
     server = start_local_redis(port, data_dir=tmp_path)
-    redis.Redis(port=port).hincrby("specserve:v2:test", "steps", 7)
+    redis.Redis(port=port).hincrby("specserve:v3:test", "steps", 7)
     import time
     time.sleep(1.5)  # appendfsync everysec
     server.kill()
     server = start_local_redis(port, data_dir=tmp_path)
     try:
-        assert redis.Redis(port=port).hget("specserve:v2:test", "steps") == b"7"
+        assert redis.Redis(port=port).hget("specserve:v3:test", "steps") == b"7"
     finally:
         server.stop()
 

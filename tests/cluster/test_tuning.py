@@ -18,10 +18,12 @@ from cluster.policy import TuningView, choose_auto
 from cluster.redis_server import free_port, start_local_redis
 from cluster.routing import Decision, PoolView
 from cluster.speculation import SpecMode, SpecStats
-from cluster.tuning import MAX_FIELDS, MalformedCell, TuningStore, cell_key, increments_from_stats, parse_cell
+from cluster.tuning import (
+    MAX_FIELDS, MalformedCell, TuningStore, cell_from_requests, cell_key, increments_from_stats, parse_cell,
+)
 from cluster.wire import Completion
 
-PREFIX = "specserve:v2"
+PREFIX = "specserve:v3"
 POOLS = [PoolView(name="ngram", model="m", method=SpecMode.NGRAM, max_k=6),
          PoolView(name="plain", model="m", method=SpecMode.NONE, max_k=0)]
 
@@ -47,15 +49,15 @@ def wait_until(cond, timeout_s, step_s=0.05):
 # -- pure: keys, increments, validation -----------------------------------------------------------
 
 def test_cell_key_is_namespaced_and_quoted():
-    assert cell_key(PREFIX, "smollm2-135m", "ngram", "chat", "16+") == "specserve:v2:smollm2-135m:ngram:chat:16+"
-    assert cell_key(PREFIX, "org/a:b c", "ngram", "chat", "1") == "specserve:v2:org/a%3Ab%20c:ngram:chat:1"
+    assert cell_key(PREFIX, "smollm2-135m", "ngram", "chat", "16+") == "specserve:v3:smollm2-135m:ngram:chat:16+"
+    assert cell_key(PREFIX, "org/a:b c", "ngram", "chat", "1") == "specserve:v3:org/a%3Ab%20c:ngram:chat:1"
 
 
 def test_increments_by_hand():
     inc = increments_from_stats(stats(), latency_s=1.5, ttft_s=0.5, output_tokens=23)
     # trials: 10 steps at position 0, min(10, 6) at 1, min(10, 4) at 2 -> 20; rejected = 20 - 12
     assert inc == {"requests": 1, "steps": 10, "drafted": 30, "accepted": 12, "rejected_steps": 8, "k_steps": 30,
-                   "kk_steps": 90, "tokens": 23, "decode_s": 1.0, "k_decode_s": 3.0,
+                   "kk_steps": 90, "tokens": 23, "decode_s": 1.0, "k_decode_s": 3.0, "s3": 10, "t3": 1.0,
                    "e0": 10, "e1": 10, "e2": 10, "a0": 6, "a1": 4, "a2": 2}
 
 
@@ -68,6 +70,28 @@ def test_increments_carry_the_accepted_runs_and_drop_impossible_ones():
     assert not any(f.startswith("r") and f[1:].isdigit() for f in increments_from_stats(s, latency_s=1.0))
     s.run_lengths = [0] * 40 + [1]  # longer than the cap: the counts past it are not kept
     assert not any(f.startswith("r") and f[1:].isdigit() for f in increments_from_stats(s, latency_s=1.0))
+
+
+def test_parse_cell_reads_the_step_time_per_k_and_rejects_more_than_the_cell_has():
+    cell, _ = parse_cell(_fields(s3="12", t3="1.5", s5="8", t5="1.0"), now_unix_s=1001.0, max_age_s=100)
+    assert cell.steps_at_k == (0, 0, 0, 12, 0, 8) and cell.decode_s_at_k == (0.0, 0.0, 0.0, 1.5, 0.0, 1.0)
+    assert cell.step_s_at(3) == pytest.approx(0.125) and cell.step_s_at(4) is None and cell.step_s_at(9) is None
+    assert parse_cell(_fields(), now_unix_s=1001.0, max_age_s=100)[0].steps_at_k == ()  # a cell without them
+    with pytest.raises(MalformedCell, match="at K"):
+        parse_cell(_fields(s3="15", s4="6"), now_unix_s=1001.0, max_age_s=100)  # 21 steps at K in a cell of 20
+    with pytest.raises(MalformedCell, match="at K"):
+        parse_cell(_fields(s3="5", t3="3.0"), now_unix_s=1001.0, max_age_s=100)  # 3 s at K of 2.5 s in all
+    with pytest.raises(MalformedCell, match="unknown field"):
+        parse_cell(_fields(s17="1"), now_unix_s=1001.0, max_age_s=100)  # K past MAX_K
+    with pytest.raises(MalformedCell, match="not an integer"):
+        parse_cell(_fields(s3="1.5"), now_unix_s=1001.0, max_age_s=100)
+
+
+def test_step_time_per_k_adds_up_over_requests_as_redis_sums_it():
+    a, b = stats(), stats(k=1, accepted=6, drafted=10, per_pos=(6,), dr_pos=(10,))
+    cell = cell_from_requests([(a, 1.0), (a, 2.0), (b, 0.5)])
+    assert cell.steps_at_k == (0, 10, 0, 20) and cell.decode_s_at_k == pytest.approx((0.0, 0.5, 0.0, 3.0))
+    assert sum(cell.steps_at_k) == cell.steps
 
 
 def test_parse_cell_reads_runs_and_rejects_more_runs_than_steps():
@@ -187,7 +211,7 @@ def test_record_completion_uses_the_decision_bucket():
                       stats=stats().to_dict())
     assert store.record_completion("m", d, comp, batch_per_replica=0)
     key, inc = store._records[-1]
-    assert key == "specserve:v2:m:ngram:code:8-15" and inc["decode_s"] == pytest.approx(1.0) and inc["tokens"] == 23
+    assert key == "specserve:v3:m:ngram:code:8-15" and inc["decode_s"] == pytest.approx(1.0) and inc["tokens"] == 23
 
 
 def test_table_falls_back_to_the_cached_view_when_redis_is_down():
@@ -241,8 +265,12 @@ def test_batched_writes_add_up_across_replicas_with_ttl(store_for, redis_client)
     view = a.fetch_view("m")
     assert view.cells[("ngram", "chat", "1")].steps == 60 and a.healthy
     assert view.cells[("ngram", "chat", "1")].runs == (0, 6, 6)
+    # The step time per K: steps by HINCRBY, seconds by HINCRBYFLOAT (fractions kept).
+    assert int(h[b"s3"]) == 60 and float(h[b"t3"]) == pytest.approx(6.0)
+    a.record("m", "ngram", "ngram", "chat", "1", stats(), latency_s=0.75, ttft_s=0.5)
+    assert a.flush_now() and a.fetch_view("m").cells[("ngram", "chat", "1")].decode_s_at_k[3] == pytest.approx(6.25)
     rows = a.table("m")
-    assert [(r["mode"], r["workload_class"], r["load_bucket"], r["samples"]) for r in rows] == [("ngram", "chat", "1", 6)]
+    assert [(r["mode"], r["workload_class"], r["load_bucket"], r["samples"]) for r in rows] == [("ngram", "chat", "1", 7)]
 
 
 @pytest.mark.redis

@@ -18,7 +18,7 @@ from cluster.redis_server import parse_redis_url, start_local_redis
 
 pytestmark = pytest.mark.engine
 
-PREFIX = "specserve:v2"
+PREFIX = "specserve:v3"
 
 
 def _requests_recorded(client: redis.Redis) -> int:

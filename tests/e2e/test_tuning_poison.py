@@ -16,7 +16,7 @@ from cluster.tuning import cell_key
 
 pytestmark = pytest.mark.engine
 
-PREFIX = "specserve:v2"
+PREFIX = "specserve:v3"
 MODEL = "smollm2-135m"
 PROMPTS = {
     "translation": "Translate German to English: Der Hund spielt im Garten mit dem Ball.",

@@ -300,7 +300,7 @@ def cmd_tuning(args) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     cols = ["model", "mode", "workload_class", "load_bucket", "chosen_k", "acceptance_length", "tokens_per_s",
-            "samples", "acceptance_per_position", "runs", "mean_run"]
+            "samples", "acceptance_per_position", "runs", "mean_run", "step_ms_at_k"]
     print(f"# tuning state at {cfg.redis.url} (redis {'reachable' if reachable else 'NOT reachable'}), "
           f"{len(rows)} cells")
     _print_tsv(cols, rows)

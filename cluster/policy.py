@@ -802,6 +802,7 @@ def choose_auto(
     k = min(k, chosen.pool.max_k)
     detail = {
         "load_bucket": chosen.bucket, "pool_mode": chosen.mode, "explore": explore,
+        "join_batch": round(chosen.pool.batch_per_replica + 1.0, 3),  # the engine batch it joins
         "alpha": round(chosen.alpha, 4), "draft_rate": round(chosen.draft_rate, 4),
         "cost_per_k": round(chosen.cost, 4), "cost_per_step": round(chosen.fixed_cost, 4),
         "step_overhead": round(chosen.overheads[k] if k < len(chosen.overheads) else 0.0, 4),
@@ -892,6 +893,8 @@ def tuning_rows(view: TuningView, params: PolicyParams = DEFAULT_PARAMS) -> list
             "alpha_posterior": round(a / (a + b), 4) if mode != SpecMode.NONE.value else None,
             "draft_rate": None if cell.draft_rate is None or mode == SpecMode.NONE.value else round(cell.draft_rate, 4),
             "step_ms": None if cell.step_s is None else round(cell.step_s * 1e3, 3),
+            "step_ms_at_k": {k: round(cell.step_s_at(k) * 1e3, 2) for k in range(len(cell.steps_at_k))
+                             if cell.step_s_at(k) is not None},
             "cost_per_k": round(cost_per_k(view, mode, bucket, params), 4),
             "runs": sum(cell.runs),
             "mean_run": round(sum(i * g for i, g in enumerate(cell.runs)) / sum(cell.runs), 3) if cell.runs else None,

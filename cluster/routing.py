@@ -61,6 +61,32 @@ class Decision:
     detail: dict = field(default_factory=dict, compare=False)
 
 
+def cap_at_admission(decision: Decision, table, batch: float) -> Decision:
+    """`decision` with its K lowered to what its engine's per-step cap `table` allows at the batch
+    the request joins (the engine applies the same cap at every step, `cluster.vllm_scheduler`), so
+    that the K the response reports, the K-chosen metric and the tuning counters of that K (the
+    step time per K) are the K that ran. The policy's own K stays in `detail["k_uncapped"]`.
+    (r13: the cap table capped every K = 6 choice to 5 at batch 1, and their steps were filed under
+    K = 6.)
+
+    >>> d = Decision(pool="ngram", mode=SpecMode.NGRAM, k=6, decided_by="policy")
+    >>> c = cap_at_admission(d, [(1, 5), (2, 2), (16, 0)], 1.0); (c.k, c.mode.value, c.detail)
+    (5, 'ngram', {'k_uncapped': 6})
+    >>> cap_at_admission(d, [(1, 5), (2, 2), (16, 0)], 17.0).mode.value
+    'none'
+    >>> cap_at_admission(d, [(1, 6), (2, 2)], 1.0) is d, cap_at_admission(d, None, 1.0) is d
+    (True, True)
+    """
+    from cluster.vllm_scheduler import k_cap_for_batch
+
+    cap = k_cap_for_batch(max(int(round(batch)), 1), table)
+    if cap is None or cap >= decision.k:
+        return decision
+    cap = max(int(cap), 0)
+    return replace(decision, k=cap, mode=decision.mode if cap > 0 else SpecMode.NONE,
+                   detail={**decision.detail, "k_uncapped": decision.k})
+
+
 def pool_views(config: ClusterConfig) -> list[PoolView]:
     """Static views of every pool (no load) from the config."""
     return [

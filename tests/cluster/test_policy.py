@@ -448,6 +448,7 @@ def test_tuning_rows_have_the_tuning_entry_fields():
     r = rows[0]
     assert r["chosen_k"] == 3 and r["chosen_k_set"] and r["samples"] == 1 and len(r["acceptance_per_position"]) == 3
     assert r["acceptance_length"] == pytest.approx(cells[("ngram", "code", "4-7")].acceptance_length, abs=1e-4)
+    assert r["step_ms_at_k"] == {3: 10.0} and rows[1]["step_ms_at_k"] == {0: 10.0}  # cell_from: 10 ms per step
     for row in rows:
         for key in ("model", "mode", "workload_class", "load_bucket", "chosen_k", "acceptance_length",
                     "acceptance_per_position", "tokens_per_s", "samples"):

@@ -105,6 +105,30 @@ def test_success_reports_decision_and_stats():
     assert not handles["ngram"].calls[0].cancelled
 
 
+def test_a_policy_k_is_capped_at_admission_as_the_engine_will_cap_it():
+    router, handles = make_router(lambda: FakeCall([FINAL]))
+    body = {"messages": [{"role": "user", "content": "Summarize: the cat sat on the mat. The cat sat."}], "max_tokens": 4}
+    _, uncapped, _ = router.plan(_req(body))
+    assert uncapped.decided_by == "policy" and uncapped.k > 1  # what the policy picks from priors
+    router._cap_table = lambda model, pool, max_age_s=1.0: [(1, 1), (4, 0)]
+    _, d, req = router.plan(_req(body))
+    assert (d.k, req.k, d.detail["k_uncapped"]) == (1, 1, uncapped.k) and req.k_cap_by_batch == [(1, 1), (4, 0)]
+    router._cap_table = lambda model, pool, max_age_s=1.0: [(1, 0)]  # capped to nothing: plain decoding
+    _, d, req = router.plan(_req(body))
+    assert (d.k, d.mode.value, req.k, req.mode, req.k_cap_by_batch) == (0, "none", 0, "none", None)
+    # An explicit K is the caller's: never capped at admission.
+    _, d, req = router.plan(_req(BODY))
+    assert (d.k, req.k, req.k_cap_by_batch) == (2, 2, None) and "k_uncapped" not in d.detail
+
+
+def _req(body):
+    import copy
+
+    from cluster.api import from_openai
+
+    return from_openai(copy.deepcopy(body), chat=True)  # from_openai takes the specserve block out of the body
+
+
 def test_stream_that_ends_early_is_unavailable():
     router, handles = make_router(lambda: FakeCall([EngineChunk(text="a", token_ids=[1])]))
     r = post(router, BODY)

@@ -4,6 +4,7 @@ state to the real Redis, and keeps serving through a Redis outage (then resumes 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -110,6 +111,12 @@ def test_tuning_command_prints_the_table(cluster):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "smollm2-135m" in out.stdout and "ngram" in out.stdout
+    assert "step_ms_at_k" in out.stdout.splitlines()[1]
+    out = subprocess.run([sys.executable, "-m", "cluster.cli", "tuning", "--json", "--config", str(cluster.config_path)],
+                         capture_output=True, text=True, timeout=120)
+    rows = json.loads(out.stdout)
+    # The step time per K that the policy's cost reads: a speculative cell has it at its requests' K.
+    assert any(r["mode"] == "ngram" and any(int(k) > 0 and ms > 0 for k, ms in r["step_ms_at_k"].items()) for r in rows)
 
 
 def test_prometheus_metrics_per_class_and_mode(cluster):

@@ -543,14 +543,16 @@ def measured_overheads(view: Optional[TuningView], mode: str, bucket: str,
 
 def step_overheads(view: Optional[TuningView], mode: str, bucket: str, max_k: int,
                    params: PolicyParams = DEFAULT_PARAMS,
-                   draft_cost: Optional[tuple[float, float]] = None) -> tuple[float, ...]:
+                   draft_cost: Optional[tuple[float, float]] = None,
+                   line: Optional[tuple[float, float]] = None) -> tuple[float, ...]:
     """[K] = extra time of a step at K relative to a plain step, for K = 0..max_k ([0] = 0): the
     linear f + c·K of `step_cost` (fitted over every K, or the prior) blended, at each K where
     requests ran, with that K's measured overhead (`measured_overheads`) by its steps against
     `prior_cost_steps`. The linear model cannot see a step cost that is not linear in K, and on
     this CPU it is not: in r11 and r12 n-gram steps at K = 6 took ~5% more than at K = 4 and those at
     K = 1 ~6% more than plain ones, where the fit over auto's traffic read 0.004 per draft token
-    (auto chose K = 6 for half its requests and lost ~1.5% per step to `ngram:4`).
+    (auto chose K = 6 for half its requests and lost ~1.5% per step to `ngram:4`). `line` is the
+    caller's `step_cost` of the same arguments, when it has one already.
 
     >>> def c(k, n, s):
     ...     return CellStats(steps=n, decode_s=n * s, steps_at_k=(0,) * k + (n,), decode_s_at_k=(0.0,) * k + (n * s,))
@@ -559,7 +561,7 @@ def step_overheads(view: Optional[TuningView], mode: str, bucket: str, max_k: in
     >>> [round(x, 3) for x in step_overheads(v, "ngram", "1", 6)]  # K without steps: the prior, 0.04 per token
     [0.0, 0.04, 0.08, 0.12, 0.0, 0.2, 0.05]
     """
-    fixed, per_k = step_cost(view, mode, bucket, params, draft_cost)
+    fixed, per_k = line if line is not None else step_cost(view, mode, bucket, params, draft_cost)
     linear = [0.0] + [fixed + per_k * k for k in range(1, max(max_k, 0) + 1)]
     for k, (measured, n) in measured_overheads(view, mode, bucket, params).items():
         if k < len(linear):
@@ -586,18 +588,16 @@ def step_time_rel(view: Optional[TuningView], bucket: str, params: PolicyParams 
     return max(_bucket_step_rel(view, b, params) for b in BUCKET_NAMES[:order + 1])
 
 
-def score_tokens(tokens: float, k: int, cost: float, step_rel: float = 1.0, fixed: float = 0.0) -> float:
-    """Expected tokens per unit of batch-1 plain-step time: E / (step_rel · (1 + f + c·K)) for E
-    expected output tokens per step, f (the proposer's fixed cost of a drafting step) paid only for
-    K > 0."""
-    overhead = (max(fixed, 0.0) + max(cost, 0.0) * k) if k > 0 else 0.0
-    return tokens / (step_rel * (1.0 + overhead))
-
-
 def score_at(tokens: float, overhead: float, step_rel: float = 1.0) -> float:
     """Expected tokens per unit of batch-1 plain-step time, E / (step_rel · (1 + overhead)), for a
     step whose extra time relative to a plain step is `overhead` (`step_overheads`)."""
     return tokens / (step_rel * (1.0 + max(overhead, 0.0)))
+
+
+def score_tokens(tokens: float, k: int, cost: float, step_rel: float = 1.0, fixed: float = 0.0) -> float:
+    """`score_at` with the linear overhead f + c·K, f (the proposer's fixed cost of a drafting step)
+    paid only for K > 0."""
+    return score_at(tokens, (max(fixed, 0.0) + max(cost, 0.0) * k) if k > 0 else 0.0, step_rel)
 
 
 def score(alpha: float, k: int, cost: float, step_rel: float = 1.0, draft_rate: float = 1.0,
@@ -684,7 +684,7 @@ def _pool_scores(view, mode, workload_class, bucket, max_k, step_rel, priors, pa
     alpha, (a, b), p = class_model(view, mode, workload_class, priors, params)
     runs, draftless = class_runs(view, mode, workload_class)
     fixed, cost = step_cost(view, mode, bucket, params, draft_cost)
-    overheads = step_overheads(view, mode, bucket, max_k, params, draft_cost)
+    overheads = step_overheads(view, mode, bucket, max_k, params, draft_cost, line=(fixed, cost))
     result = (alpha, (a, b), p, (fixed, cost), (runs, draftless), overheads,
               {k: score_at(expected_tokens(alpha, k, p, runs, draftless, params), overheads[k], step_rel)
                for k in range(max_k + 1)})

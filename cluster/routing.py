@@ -14,6 +14,7 @@ from typing import Optional
 from cluster.api import ApiError, ErrorCode
 from cluster.config import ClusterConfig, RouterConfig
 from cluster.speculation import SpecMode
+from cluster.vllm_scheduler import k_cap_for_batch
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,6 @@ def cap_at_admission(decision: Decision, table, batch: float) -> Decision:
     >>> cap_at_admission(d, [(1, 6), (2, 2)], 1.0) is d, cap_at_admission(d, None, 1.0) is d
     (True, True)
     """
-    from cluster.vllm_scheduler import k_cap_for_batch
-
     cap = k_cap_for_batch(max(int(round(batch)), 1), table)
     if cap is None or cap >= decision.k:
         return decision

@@ -91,6 +91,7 @@ MAX_K = 16  # the largest K any pool may have (PoolConfig.max_k bound)
 # (min batch size, bucket name); a bucket holds batch sizes from its minimum up to the next one's.
 LOAD_BUCKETS: tuple[tuple[int, str], ...] = ((1, "1"), (2, "2-3"), (4, "4-7"), (8, "8-15"), (16, "16+"))
 BUCKET_NAMES = tuple(name for _, name in LOAD_BUCKETS)
+ADMIT_BUCKET = BUCKET_NAMES[0]  # the bucket k_cap_table's admitted K are chosen at
 BUCKET_BATCH = {"1": 1.0, "2-3": 2.5, "4-7": 5.5, "8-15": 11.5, "16+": 24.0}  # representative batch
 
 # Prior α (Spec-Bench-like): prompt lookup is strong where the output copies the input
@@ -839,8 +840,8 @@ def k_cap_table(
 
     For each load bucket the cap maximises the traffic-weighted score of requests admitted at
     batch 1 (each class at its own best K there) that now run at that bucket's batch: the cap that
-    a long request meeting a load spike should obey. Non-increasing with load; entries whose cap
-    equals the previous one are dropped."""
+    a long request meeting a load spike should obey. At batch 1 the cap is the largest admitted K.
+    Non-increasing with load; entries whose cap equals the previous one are dropped."""
     max_k = min(max(int(max_k), 0), MAX_K)
     if mode == SpecMode.NONE.value or max_k == 0:
         return [(1, 0)]
@@ -852,7 +853,7 @@ def k_cap_table(
         runs, draftless = class_runs(view, mode, c)
         tokens[c] = [expected_tokens(alpha, k, p, runs, draftless, params) for k in range(max_k + 1)]
     admitted = {}
-    overheads = step_overheads(view, mode, "1", max_k, params, draft_cost)
+    overheads = step_overheads(view, mode, ADMIT_BUCKET, max_k, params, draft_cost)
     for c in weights:
         admitted[c] = best_k({k: score_at(tokens[c][k], overheads[k]) for k in range(max_k + 1)}, params.tie_tol)
     table: list[tuple[int, int]] = []
@@ -864,7 +865,10 @@ def k_cap_table(
                      for c, w in weights.items())
             for cap in range(previous + 1)
         }
-        cap = best_k(totals, params.tie_tol)
+        # At the bucket the classes were admitted at, each already runs at its own best K, so no
+        # cap below the largest of them can do better: only tie. best_k's smaller-wins tie-break
+        # there capped every K = 6 choice to 5 at batch 1 in r13.
+        cap = max(admitted.values()) if bucket == ADMIT_BUCKET else best_k(totals, params.tie_tol)
         if not table or cap != table[-1][1]:
             table.append((start, cap))
         previous = cap

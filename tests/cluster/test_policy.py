@@ -949,3 +949,18 @@ def test_the_cap_table_uses_the_step_time_per_k():
     _, view = _per_k_view(requests=40)
     assert k_cap_table("ngram", 6, _without_per_k(view))[0] == (1, 6)
     assert k_cap_table("ngram", 6, view)[0] == (1, 4)
+
+
+def test_the_cap_at_batch_1_never_undercuts_a_class_choice():
+    """r13: a class that chose K = 6 by just over the 1% tie shared the cap table with a larger
+    class at K = 4; the traffic-weighted cap 5 tied with 6, the smaller won, and every K = 6 choice
+    ran at 5 at batch 1. At the bucket the choices were made at, the cap is the largest of them."""
+    _, chat = _per_k_view(requests=40)
+    text = _copy_text(random.Random(3), 2000, runs=((0, .6), (1, .1), (2, .1), (5, .1), (12, .1)))
+    summ = _runs_view(_decode(text, 6)[0], "summarization", 0.05, 6)
+    view = TuningView("m", cells={**chat.cells, **summ.cells})
+    chosen = {c: choose_auto([ngram()], ROUTER, c, view).k for c in ("chat", "summarization")}
+    assert chosen == {"chat": 4, "summarization": 6}
+    table = k_cap_table("ngram", 6, view)
+    _check_table(table, 6)
+    assert table[0] == (1, 6) and k_cap_for_batch(2, table) < 6  # the cap still bites under load

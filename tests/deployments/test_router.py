@@ -11,6 +11,7 @@ from ray.serve.exceptions import BackPressureError
 from starlette.requests import Request
 
 from cluster.config import load_config
+from cluster.speculation import WORKLOAD_CLASSES
 from deployments.engine import EngineChunk, EngineInputError
 from deployments.router import Router
 
@@ -317,9 +318,10 @@ def test_a_report_taken_before_a_request_finished_does_not_count_it():
 
 def test_policy_cap_table_uses_the_pools_configured_priors():
     """The per-step K cap a policy-decided request carries is computed with its pool's configured
-    `prior_alpha` and `prior_draft_cost` (local config: the EAGLE head at α 0.19 with its measured
-    fixed cost never pays, so its cap is 0 at every batch; n-gram drafts deep when idle)."""
-    from cluster.policy import k_cap_table
+    `prior_alpha` and `prior_draft_cost` (local config: with its measured fixed cost the EAGLE head
+    pays only for math, α 0.39, at K = 2 when idle, so its cap is 2 at batch 1, never below that
+    choice, and 0 under load; n-gram drafts deep when idle)."""
+    from cluster.policy import choose_auto, k_cap_table
 
     class ColdTuning:  # no state yet: the priors alone
         def snapshot(self, model):
@@ -327,7 +329,10 @@ def test_policy_cap_table_uses_the_pools_configured_priors():
 
     router, _ = make_router(lambda: FakeCall([]))
     router.tuning = ColdTuning()
-    assert router._cap_table("smollm2-135m", "draft") == [(1, 0)]
-    # without the measured draft cost the same pool would be allowed to draft
-    assert k_cap_table("eagle", 3, None, priors=router.views["draft"].prior_alpha)[0][1] > 0
+    draft = router.views["draft"]
+    chosen = {c: choose_auto([draft], router.config.router, c).k for c in WORKLOAD_CLASSES}
+    assert chosen["math"] == 2 and max(k for c, k in chosen.items() if c != "math") == 0
+    assert router._cap_table("smollm2-135m", "draft") == [(1, 2), (2, 0)]
+    # without the measured draft cost the same pool would draft more, and under load
+    assert k_cap_table("eagle", 3, None, priors=draft.prior_alpha) > [(1, 2), (2, 0)]
     assert router._cap_table("smollm2-135m", "ngram")[0] == (1, 6)

@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feat-noise", type=float, default=0.0,
                    help="eagle: uniform noise on the input features, times their RMS (EAGLE's data noise)")
     p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--freeze-copied", action="store_true",
+                   help="eagle: keep the attention and MLP input projections copied from the target's last "
+                        "layer frozen; train fc, the output projections and the norm (fewer free parameters)")
     p.add_argument("--val-seqs", type=int, default=0,
                    help="training sequences held back and scored (acceptance at K=3) every --val-every steps")
     p.add_argument("--val-every", type=int, default=100)
@@ -89,15 +92,20 @@ def training_budget(time_budget_s, total_budget_s, elapsed_s: float, reserve_s: 
     return time_budget_s if left is None else min(time_budget_s, left)
 
 
-def build_drafter(kind: str, target, num_layers: int, seed: int):
+def build_drafter(kind: str, target, num_layers: int, seed: int, freeze_copied: bool = False):
     import torch
 
     if kind == "eagle":
-        from cluster.distill.eagle import EagleHead, init_from_target
+        from cluster.distill import eagle
 
-        head = EagleHead(target.config)
-        init_from_target(head, target, torch.Generator().manual_seed(seed))
+        head = eagle.EagleHead(target.config)
+        eagle.init_from_target(head, target, torch.Generator().manual_seed(seed))
+        if freeze_copied:
+            total = sum(p.numel() for p in head.parameters())
+            print(f"drafter: {eagle.freeze_copied(head)} of {total} parameters trainable (--freeze-copied)")
         return head
+    if freeze_copied:
+        raise SystemExit("--freeze-copied is for --kind eagle")
     from cluster.distill.draft_model import make_draft
 
     return make_draft(target, num_layers)
@@ -144,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     eval_set, train_set = sets[0], [s for part in sets[1:] for s in part]
     eval_tasks = [h.task for h in held]  # aligned with eval_set: corpora keep prompt order
     # 3. the drafter
-    drafter = build_drafter(args.kind, target, args.num_layers, args.seed)
+    drafter = build_drafter(args.kind, target, args.num_layers, args.seed, args.freeze_copied)
     artefact = out / "drafter"
     if args.eval_only:
         if (artefact / "model.safetensors").exists():

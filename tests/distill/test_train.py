@@ -163,3 +163,28 @@ def test_feature_noise_and_validation_hook(target, tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(states[0].values(), states[1].values()))
     assert [line for line in lines if line.startswith("val")] == ["val step 2: ok", "val step 4: ok"] * 2
     assert modes == [False] * 4
+
+
+def test_freeze_copied_trains_only_fc_outputs_and_norm(target):
+    from cluster.distill.eagle import COPIED
+
+    cfg = TrainConfig(kind="eagle", lr=3e-3, unroll=2)
+    drafter = build_drafter("eagle", target, 1, seed=0, freeze_copied=True)
+    trainable = {n for n, p in drafter.named_parameters() if p.requires_grad}
+    assert trainable == {"fc.weight", "layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight",
+                         "layers.0.post_attention_layernorm.weight"}
+    frozen = {n: p.detach().clone() for n, p in drafter.named_parameters() if not p.requires_grad}
+    assert {n.removeprefix("layers.0.") for n in frozen} == set(COPIED)
+    samples = make_samples(target)
+    batch = collate(samples, max_len=64)
+    opt = make_optimizer(cfg, drafter)
+    before, _ = batch_loss(cfg, drafter, target, batch, None)
+    opt.zero_grad()
+    before.backward()
+    opt.step()
+    with torch.no_grad():
+        after, _ = batch_loss(cfg, drafter, target, batch, None)
+    assert float(after) < float(before.detach())  # still learns
+    assert all(torch.equal(p, frozen[n]) for n, p in drafter.named_parameters() if n in frozen)
+    with pytest.raises(SystemExit):
+        build_drafter("draft_model", target, 1, seed=0, freeze_copied=True)

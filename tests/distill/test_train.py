@@ -14,8 +14,15 @@ KINDS = ["eagle", "draft_model"]
 @pytest.mark.parametrize("sub_vocab", [False, True])
 @pytest.mark.parametrize("kind", KINDS)
 def test_one_step_lowers_the_loss(kind, sub_vocab, target):
-    cfg = TrainConfig(kind=kind, lr=3e-3, unroll=2)
     drafter = build_drafter(kind, target, 1, seed=0)
+    before, after = _one_step(kind, drafter, target, sub_vocab)
+    assert after < before
+    assert not target.model.embed_tokens.weight.requires_grad
+
+
+def _one_step(kind, drafter, target, sub_vocab=False) -> tuple[float, float]:
+    """The batch loss of the test samples before and after one optimizer step."""
+    cfg = TrainConfig(kind=kind, lr=3e-3, unroll=2)
     samples = make_samples(target)
     vocab = loss_vocab(target, samples) if sub_vocab else None
     batch = collate(samples, max_len=64)
@@ -26,8 +33,7 @@ def test_one_step_lowers_the_loss(kind, sub_vocab, target):
     opt.step()
     with torch.no_grad():
         after, _ = batch_loss(cfg, drafter, target, batch, vocab)
-    assert float(after) < float(before.detach())
-    assert not target.model.embed_tokens.weight.requires_grad
+    return float(before.detach()), float(after)
 
 
 def test_loss_vocab_is_the_samples_tokens_plus_eos(target):
@@ -168,23 +174,14 @@ def test_feature_noise_and_validation_hook(target, tmp_path):
 def test_freeze_copied_trains_only_fc_outputs_and_norm(target):
     from cluster.distill.eagle import COPIED
 
-    cfg = TrainConfig(kind="eagle", lr=3e-3, unroll=2)
     drafter = build_drafter("eagle", target, 1, seed=0, freeze_copied=True)
     trainable = {n for n, p in drafter.named_parameters() if p.requires_grad}
     assert trainable == {"fc.weight", "layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight",
                          "layers.0.post_attention_layernorm.weight"}
     frozen = {n: p.detach().clone() for n, p in drafter.named_parameters() if not p.requires_grad}
     assert {n.removeprefix("layers.0.") for n in frozen} == set(COPIED)
-    samples = make_samples(target)
-    batch = collate(samples, max_len=64)
-    opt = make_optimizer(cfg, drafter)
-    before, _ = batch_loss(cfg, drafter, target, batch, None)
-    opt.zero_grad()
-    before.backward()
-    opt.step()
-    with torch.no_grad():
-        after, _ = batch_loss(cfg, drafter, target, batch, None)
-    assert float(after) < float(before.detach())  # still learns
+    before, after = _one_step("eagle", drafter, target)
+    assert after < before  # still learns
     assert all(torch.equal(p, frozen[n]) for n, p in drafter.named_parameters() if n in frozen)
     with pytest.raises(SystemExit):
         build_drafter("draft_model", target, 1, seed=0, freeze_copied=True)

@@ -91,7 +91,6 @@ MAX_K = 16  # the largest K any pool may have (PoolConfig.max_k bound)
 # (min batch size, bucket name); a bucket holds batch sizes from its minimum up to the next one's.
 LOAD_BUCKETS: tuple[tuple[int, str], ...] = ((1, "1"), (2, "2-3"), (4, "4-7"), (8, "8-15"), (16, "16+"))
 BUCKET_NAMES = tuple(name for _, name in LOAD_BUCKETS)
-ADMIT_BUCKET = BUCKET_NAMES[0]  # the bucket k_cap_table's admitted K are chosen at
 BUCKET_BATCH = {"1": 1.0, "2-3": 2.5, "4-7": 5.5, "8-15": 11.5, "16+": 24.0}  # representative batch
 
 # Prior α (Spec-Bench-like): prompt lookup is strong where the output copies the input
@@ -852,26 +851,24 @@ def k_cap_table(
         alpha, _, p = class_model(view, mode, c, priors, params)
         runs, draftless = class_runs(view, mode, c)
         tokens[c] = [expected_tokens(alpha, k, p, runs, draftless, params) for k in range(max_k + 1)]
-    admitted = {}
-    overheads = step_overheads(view, mode, ADMIT_BUCKET, max_k, params, draft_cost)
-    for c in weights:
-        admitted[c] = best_k({k: score_at(tokens[c][k], overheads[k]) for k in range(max_k + 1)}, params.tie_tol)
-    table: list[tuple[int, int]] = []
-    previous = max_k
-    for start, bucket in LOAD_BUCKETS:
+    (first, idle), *loaded = LOAD_BUCKETS  # the classes are admitted at the first bucket, batch 1
+    overheads = step_overheads(view, mode, idle, max_k, params, draft_cost)
+    admitted = {c: best_k({k: score_at(tokens[c][k], overheads[k]) for k in range(max_k + 1)}, params.tie_tol)
+                for c in weights}
+    # At the bucket the classes were admitted at, each already runs at its own best K, so no cap
+    # below the largest of them can do better: only tie. (Scoring caps there too, best_k's
+    # smaller-wins tie-break capped every K = 6 choice to 5 at batch 1 in r13.)
+    table = [(first, max(admitted.values()))]
+    for start, bucket in loaded:
         overheads = step_overheads(view, mode, bucket, max_k, params, draft_cost)
         totals = {
             cap: sum(w * score_at(tokens[c][min(admitted[c], cap)], overheads[min(admitted[c], cap)])
                      for c, w in weights.items())
-            for cap in range(previous + 1)
+            for cap in range(table[-1][1] + 1)
         }
-        # At the bucket the classes were admitted at, each already runs at its own best K, so no
-        # cap below the largest of them can do better: only tie. best_k's smaller-wins tie-break
-        # there capped every K = 6 choice to 5 at batch 1 in r13.
-        cap = max(admitted.values()) if bucket == ADMIT_BUCKET else best_k(totals, params.tie_tol)
-        if not table or cap != table[-1][1]:
+        cap = best_k(totals, params.tie_tol)
+        if cap != table[-1][1]:
             table.append((start, cap))
-        previous = cap
     return table
 
 

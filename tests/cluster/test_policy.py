@@ -16,13 +16,17 @@ from cluster.config import RouterConfig
 from cluster.policy import (
     BUCKET_BATCH, BUCKET_NAMES, LOAD_BUCKETS, CellStats, PolicyParams, TuningView, alpha_posterior, best_k, choose_auto,
     class_weights, cost_per_k, draft_rate, expected_tokens, expected_tokens_per_step, exploration_rate, hysteresis_k,
+    hysteresis_margin, score_pool,
     k_cap_table, load_bucket, measured_overheads, prior_alpha, prior_cost_per_k, prior_step_cost, run_tokens_per_step,
     score, step_cost, step_overheads,
     step_time_rel, tuning_rows,
 )
 from cluster.routing import PoolView
 from cluster.speculation import WORKLOAD_CLASSES, SpecMode, SpecStats
-from cluster.tuning import cell_from_requests
+import json
+from pathlib import Path
+
+from cluster.tuning import cell_from_requests, parse_cell
 from cluster.vllm_scheduler import k_cap_for_batch
 
 ROUTER = RouterConfig()
@@ -245,6 +249,42 @@ def test_hysteresis_stops_flapping_between_close_scores():
         k = hysteresis_k(scores, k)
         ks.append(k)
     assert len(set(best)) > 1 and len(set(ks[1:])) == 1
+
+
+def test_hysteresis_margin_shrinks_with_evidence_but_stays_above_the_tie():
+    margins = [hysteresis_margin(n) for n in (0, 10, 100, 1000, 10**4, 10**9)]
+    assert margins[0] == pytest.approx(P.margin)
+    assert all(a > b for a, b in zip(margins, margins[1:]))
+    assert margins[-1] == pytest.approx(P.margin_min, abs=1e-3) and P.margin_min > P.tie_tol
+    scores = {3: 1.0, 4: 1.03}  # K = 4 scores 3% better than the incumbent 3
+    assert hysteresis_k(scores, 3) == 3  # no evidence: kept
+    assert hysteresis_k(scores, 3, trials=5000) == 4  # the scores are trusted: it yields
+    assert hysteresis_k({3: 1.0, 4: 1.012}, 3, trials=10**9) == 3  # inside the floor: never flaps
+
+
+def _recorded_view(path: Path) -> TuningView:
+    doc = json.loads(path.read_text())
+    cells, chosen = {}, {}
+    for key, fields in doc["cells"].items():
+        mode, wclass, bucket = key.split(":")
+        cell, k = parse_cell(fields, now_unix_s=2e9, max_age_s=1e9)
+        cells[(mode, wclass, bucket)] = cell
+        if k is not None:
+            chosen[(mode, wclass, bucket)] = int(k)
+    return TuningView("smollm2-135m", cells=cells, chosen_k=chosen)
+
+
+def test_the_recorded_r14_state_no_longer_locks_math_at_k3():
+    # The tuning state after r14 and its load run (Redis, bucket 1): math's incumbent K = 3 was chosen
+    # while its data was thin; 4,098 steps later K = 4 scores 3.4% better, under the fixed 5% margin.
+    view = _recorded_view(Path(__file__).parent / "data" / "tuning-r14load-bucket1.json")
+    pool = ngram(max_k=6)
+    cand = score_pool(pool, "math", view)
+    best = best_k(cand.scores)
+    assert view.chosen_k[("ngram", "math", "1")] == 3 != best
+    assert cand.scores[best] > cand.scores[3] * 1.02
+    assert cand.k == best
+    assert score_pool(pool, "math", view, PolicyParams(margin_min=P.margin)).k == 3  # the old fixed margin
 
 
 def test_exploration_rate_decays_within_bounds():

@@ -1,0 +1,77 @@
+"""The K replay: exact tokens per step of a K policy from a greedy output, priced with a run's own step times."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cluster.bench.k_replay import (
+    Case, GrowOnFullAccept, StaticK, analyse, auto_choices, ngram_proposer, replay, step_cost_by_k,
+)
+from cluster.bench.metrics import Sample
+
+# A prompt holding a 12-token span the output copies whole after 3 tokens of its own.
+SPAN = list(range(100, 112))
+PROMPT = [1, 2, 3] + SPAN + [4, 5]
+OUTPUT = [7, 8, 100, 101] + SPAN[2:] + [9, 10, 11]
+
+
+def test_the_vllm_matcher_drafts_the_copied_span():
+    propose = ngram_proposer(2, 5)
+    assert list(propose(np.array(PROMPT + [7, 100, 101]), 4)) == [102, 103, 104, 105]
+    assert len(propose(np.array([1, 2, 3, 4]), 4)) == 0  # nothing repeats: no draft
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 6])
+def test_static_replay_emits_the_output_exactly_once(k):
+    steps = replay(PROMPT, OUTPUT, StaticK(k), ngram_proposer(2, 5))
+    emitted = sum(s.accepted + 1 for s in steps)
+    assert 0 <= emitted - (len(OUTPUT) - 1) <= 1  # the first token is the prefill's; the last step may stop early
+    assert all(s.k == k and s.accepted <= s.drafted <= k for s in steps)
+
+
+def test_a_longer_k_takes_fewer_steps_through_a_copy_run():
+    propose = ngram_proposer(2, 5)
+    n = {k: len(replay(PROMPT, OUTPUT, StaticK(k), propose)) for k in (0, 2, 4, 6)}
+    assert n[0] == len(OUTPUT) - 1 and n[0] > n[2] > n[4] > n[6]
+
+
+def test_growing_k_follows_the_run_and_resets_after_a_rejection():
+    table = lambda ctx, k: np.array([5] * k, dtype=np.int32)  # noqa: E731 - always proposes 5s
+    out = [0] + [5] * 9 + [6, 5]
+    steps = replay([1], out, GrowOnFullAccept(1, 4), table)
+    assert [s.k for s in steps] == [1, 2, 3, 4, 1, 2][:len(steps)]
+    assert steps[3].accepted < steps[3].drafted  # the fourth step ran into the 6
+
+
+def _sample(config, pid, task, repeat, steps, decode_s, k=None, mode=None):
+    spec = {"steps": steps, **({"k": k, "mode": mode} if mode else {})}
+    return Sample(phase="compare", config=config, prompt_id=pid, category=task, task=task, temperature=0.0,
+                  concurrency=1, repeat=repeat, token_ids=[1] * 9, latency_s=decode_s + 0.1, ttft_s=0.1, spec=spec)
+
+
+def test_step_cost_pairs_each_config_with_plain_decoding_of_the_same_prompt_and_repeat():
+    samples = [_sample("none", "a", "qa", 0, 8, 0.8), _sample("none", "a", "qa", 1, 8, 1.6),  # repeat 1 is slower
+               _sample("ngram:2", "a", "qa", 0, 4, 0.44), _sample("ngram:2", "a", "qa", 1, 4, 0.88),
+               _sample("ngram:3", "b", "qa", 0, 4, 0.5)]  # no plain run of "b": not priced
+    assert step_cost_by_k(samples, [2, 3]) == {0: 1.0, 2: pytest.approx(1.1)}
+
+
+def test_hindsight_ceilings_bound_every_policy_and_auto_at_the_best_static_reads_one():
+    cases = [Case("a", "qa", tuple(PROMPT), tuple(OUTPUT)), Case("b", "chat", (1, 2, 3, 4), (9, 8, 7, 6, 5, 4))]
+    costs = {0: 1.0, 1: 1.05, 2: 1.0, 3: 1.02, 4: 1.03}
+    r = analyse(cases, costs, ngram_proposer(2, 5), [GrowOnFullAccept(2, 4)])
+    best = r["best_static"]
+    ceil = r["ceilings"]
+    assert ceil["per-prompt best K (hindsight)"] >= ceil["per-task best K (hindsight)"] >= 1.0
+    assert 0.5 < ceil["grow 2..4 +1"] < 1.5
+    again = analyse(cases, costs, ngram_proposer(2, 5), chosen={"a": [best, best], "b": [best]})
+    assert again["ceilings"]["auto's chosen K, replayed"] == pytest.approx(1.0)
+    worse = analyse(cases, costs, ngram_proposer(2, 5), chosen={"a": [0], "b": [0]})
+    assert worse["ceilings"]["auto's chosen K, replayed"] < 1.0
+
+
+def test_auto_choices_reads_the_mode_and_k_auto_ran():
+    samples = [_sample("auto", "a", "qa", 0, 4, 0.4, k=4, mode="ngram"), _sample("auto", "a", "qa", 1, 8, 0.8, k=0, mode="none"),
+               _sample("auto", "b", "qa", 0, 4, 0.4, k=2, mode="eagle"), _sample("ngram:4", "a", "qa", 0, 4, 0.4)]
+    assert auto_choices(samples) == {"a": [4, 0]}

@@ -511,7 +511,8 @@ def measured_overheads(view: Optional[TuningView], mode: str, bucket: str,
     are compared with that class's own plain steps in the bucket (else the bucket's plain steps,
     all classes pooled), and the ratios averaged by steps: classes decode at different lengths and
     the policy's K follows the class, so one pooled mean would charge K for the class's text.
-    Negative overheads (a drafting step measured faster than a plain one: noise) read 0.
+    When a K reads faster than plain steps (impossible but for noise or drift in the plain steps), the
+    cheapest K is the baseline instead, so the Ks keep their differences.
 
     Two classes whose plain steps differ by 20%, each drafted at its own K and 10% dearer there:
 
@@ -539,8 +540,14 @@ def measured_overheads(view: Optional[TuningView], mode: str, bucket: str,
                 acc = sums.setdefault(k, [0.0, 0])
                 acc[0] += cell.steps_at_k[k] * (t / base)
                 acc[1] += cell.steps_at_k[k]
-    return {k: (min(max(r / n - 1.0, 0.0), 2.0 + 0.5 * k), int(n))
-            for k, (r, n) in sums.items() if n >= params.min_cost_steps}
+    ratios = {k: (r / n, int(n)) for k, (r, n) in sums.items() if n >= params.min_cost_steps}
+    # A drafting step does more work than a plain one: when some K reads cheaper than plain steps, the
+    # plain steps are what is off (measured at other times, under other load), so the cheapest K
+    # becomes the baseline and the differences between the Ks survive, instead of every K below
+    # the baseline reading 0 (r15: plain steps measured while the machine was loaded put K = 1..6
+    # all at 0 and K = 6's extra 5% went unseen).
+    floor = min([1.0] + [ratio for ratio, _ in ratios.values()])
+    return {k: (min(max(ratio / floor - 1.0, 0.0), 2.0 + 0.5 * k), n) for k, (ratio, n) in ratios.items()}
 
 
 def step_overheads(view: Optional[TuningView], mode: str, bucket: str, max_k: int,

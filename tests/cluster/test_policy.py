@@ -287,6 +287,19 @@ def test_the_recorded_r14_state_no_longer_locks_math_at_k3():
     assert score_pool(pool, "math", view, PolicyParams(margin_min=P.margin)).k == 3  # the old fixed margin
 
 
+def test_plain_steps_measured_under_other_load_do_not_erase_the_cost_of_k():
+    # The tuning state at the end of r15 (bucket 1): its plain steps were recorded while other work
+    # loaded the machine, so every K read cheaper than a plain step. Clamping each K at 0 made
+    # K = 1..6 all free and K = 6 (5% dearer per step than K = 4 in every run here) the best for
+    # RAG, summarization and translation; the cheapest K as the baseline keeps their differences.
+    view = _recorded_view(Path(__file__).parent / "data" / "tuning-r15-bucket1.json")
+    over = {k: o for k, (o, _) in measured_overheads(view, "ngram", "1").items()}
+    assert set(over) == {1, 2, 3, 4, 5, 6} and min(over.values()) == 0.0
+    assert over[6] > over[5] + 0.03 and over[1] > over[2] + 0.03  # the shape every run here measured
+    for wclass in ("rag", "summarization", "translation"):
+        assert best_k(score_pool(ngram(max_k=6), wclass, view).scores) < 6
+
+
 def test_exploration_rate_decays_within_bounds():
     rates = [exploration_rate(n) for n in (0, 100, 2000, 10**5, 10**9)]
     assert rates[0] == pytest.approx(P.eps_max) and rates[2] == pytest.approx((P.eps_max + P.eps_min) / 2)
@@ -961,8 +974,10 @@ def test_step_time_per_k_needs_enough_steps_and_is_blended_with_the_linear_prior
     w = n6 / (n6 + P.prior_cost_steps)
     assert step_overheads(some, "ngram", "1", 6)[6] == pytest.approx(w * 0.3 + (1 - w) * (f + 6 * c))
     _, many = _per_k_view(requests=400)  # the measurement dominates the prior
-    assert step_overheads(many, "ngram", "1", 6) == pytest.approx((0.0, 0.058, 0.0, 0.0, 0.0, 0.0, 0.029), abs=2e-3)
-    assert step_overheads(many, "ngram", "1", 3) == pytest.approx((0.0, 0.058, 0.0, 0.0), abs=2e-3)  # cut at max_k
+    # r12's K = 2..5 steps read cheaper than its plain ones: the cheapest (K = 4) is the baseline.
+    expected = (0.0,) + tuple(R12_STEP_REL[k] / R12_STEP_REL[4] - 1.0 for k in range(1, 7))
+    assert step_overheads(many, "ngram", "1", 6) == pytest.approx(expected, abs=2e-3)
+    assert step_overheads(many, "ngram", "1", 3) == pytest.approx(expected[:4], abs=2e-3)  # cut at max_k
     assert step_overheads(many, "ngram", "4-7", 6) == step_overheads(TuningView("m"), "ngram", "4-7", 6)  # per bucket
     assert step_overheads(many, "none", "1", 0) == (0.0,)
 

@@ -72,8 +72,9 @@ from live traffic as counts outweigh the prior's pseudo-counts. Exploration: wit
 Dirichlet posterior, and the best sampled (pool, K) wins (Thompson sampling), so a confidently
 worse pool is almost never tried; counts are capped
 so the posterior never freezes. Hysteresis: the incumbent K of a (mode, class, bucket) is kept
-unless another K beats it by a margin that shrinks with the class's data (5% cold, 2% at 5,000 trials). Ties (within `tie_tol`) go to the cheapest proposer for
-K = 0, then to the less loaded pool, or, for pools that share hardware, to the busier one.
+unless another K beats it by a margin that shrinks with the class's data (5% cold, 2% at 5,000
+trials). Ties (within `tie_tol`) go to the cheapest proposer for K = 0, then to the less loaded
+pool, or, for pools that share hardware, to the busier one.
 """
 
 from __future__ import annotations
@@ -633,8 +634,8 @@ def hysteresis_margin(trials: float, params: PolicyParams = DEFAULT_PARAMS) -> f
     tie tolerance so that K still does not flap between near-equal scores.
 
     A fixed 5% locked in whatever K a class got while its data was thin: with every K from 3 to 6
-    within 5% at one stream here, r14 kept math at K = 3 after 4,098 steps said K = 4 scored 3.4%
-    better (and summarization at 6, 3.3% below 4).
+    within 5% at one stream here, the state after r14 and its load run kept math at K = 3 after
+    4,098 steps said K = 4 scored 3.4% better (and summarization at 6, 3.3% below 4).
 
     >>> [round(hysteresis_margin(n), 3) for n in (0, 100, 1000, 5000)]
     [0.05, 0.04, 0.026, 0.02]

@@ -27,6 +27,8 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
+from cluster.bench.step_split import _greedy
+
 Propose = Callable[[np.ndarray, int], np.ndarray]  # (context token ids, K) -> draft token ids
 
 
@@ -118,10 +120,8 @@ def step_cost_by_k(samples: Iterable, ks: Iterable[int], phase: str = "compare")
     >>> step_cost_by_k([mk("none", 8, 0.8), mk("ngram:4", 5, 0.55)], [4])
     {0: 1.0, 4: 1.1}
     """
-    per: dict[tuple[str, str, int], tuple[float, int]] = {}
-    for x in samples:
-        if x.phase == phase and x.concurrency == 1 and x.ok and x.temperature == 0.0 and (x.spec or {}).get("steps"):
-            per[(x.config, x.prompt_id, x.repeat)] = (x.latency_s - x.ttft_s, int(x.spec["steps"]))
+    per = {(x.config, x.prompt_id, x.repeat): (x.latency_s - x.ttft_s, int(x.spec["steps"]))
+           for x in _greedy(samples, 1, phase)}
     costs = {0: 1.0}
     for k in ks:
         t = s = t0 = s0 = 0.0
@@ -249,14 +249,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     min_n, max_n = (int(x) for x in args.ngram.split(","))
     tok = _tokenizer(args.config, meta["model"], args.tokenizer)
     cases = cases_from(samples, Path(args.prompts or meta["prompts_file"]), tok)
-    top = max(k for k in costs)
-    policies = [GrowOnFullAccept(b, top, u) for b in (2, 3, 4, 5) for u in (1, 2) if top > b]  # the engine K_max bounds K
+    top = max(costs)  # the largest K the run priced: the engine's K_max bounds a growing K too
+    policies = [GrowOnFullAccept(b, top, u) for b in (2, 3, 4, 5) for u in (1, 2) if top > b]
     r = analyse(cases, costs, ngram_proposer(min_n, max_n), policies, auto_choices(samples))
     measured = {}
     for k in r["static"]:
-        runs = [(len(x.token_ids) - 1, x.spec["steps"]) for x in samples
-                if x.config == (f"ngram:{k}" if k else "none") and x.phase == "compare" and x.ok
-                and x.concurrency == 1 and x.temperature == 0.0 and (x.spec or {}).get("steps")]
+        runs = [(len(x.token_ids) - 1, x.spec["steps"]) for x in _greedy(samples, 1, "compare")
+                if x.config == (f"ngram:{k}" if k else "none")]
         measured[k] = sum(t for t, _ in runs) / sum(s for _, s in runs) if runs else float("nan")
     best = r["best_static"]
     print(f"# {len(cases)} prompts replayed; step time per K from the run (x none): "

@@ -548,7 +548,7 @@ def measured_overheads(view: Optional[TuningView], mode: str, bucket: str,
     # the baseline reading 0 (r15: plain steps measured while the machine was loaded put K = 1..6
     # all at 0 and K = 6's extra 5% went unseen).
     floor = min([1.0] + [ratio for ratio, _ in ratios.values()])
-    return {k: (min(max(ratio / floor - 1.0, 0.0), 2.0 + 0.5 * k), n) for k, (ratio, n) in ratios.items()}
+    return {k: (min(ratio / floor - 1.0, 2.0 + 0.5 * k), n) for k, (ratio, n) in ratios.items()}  # floor <= ratio
 
 
 def step_overheads(view: Optional[TuningView], mode: str, bucket: str, max_k: int,

@@ -18,7 +18,6 @@ to every step taken at that K. So this answers "how much could a K policy win he
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import numpy as np
 
 from cluster.bench.step_split import _greedy
+from cluster.bench.workload import load_prompts
 
 Propose = Callable[[np.ndarray, int], np.ndarray]  # (context token ids, K) -> draft token ids
 
@@ -148,18 +148,14 @@ class Case:
 
 
 def cases_from(samples: Iterable, prompts_file: Path, tokenizer, phase: str = "compare") -> list[Case]:
-    """One case per prompt: its chat-templated prompt tokens and `none`'s greedy output tokens."""
-    rows = {}
-    for line in prompts_file.read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            rows[r["question_id"]] = r
+    """One case per prompt: its chat-templated prompt tokens (the bench's message for it) and
+    `none`'s greedy output tokens."""
+    prompts = {p.question_id: p for p in load_prompts(prompts_file)}
     seen, cases = set(), []
-    for x in samples:
-        if x.config == "none" and x.phase == phase and x.ok and x.temperature == 0.0 and x.prompt_id not in seen:
+    for x in _greedy(samples, 1, phase):
+        if x.config == "none" and x.prompt_id not in seen:
             seen.add(x.prompt_id)
-            messages = [{"role": "user", "content": rows[x.prompt_id]["turns"][0]}]
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            ids = tokenizer.apply_chat_template(prompts[x.prompt_id].messages, add_generation_prompt=True)
             ids = ids["input_ids"] if not isinstance(ids, list) else ids
             cases.append(Case(x.prompt_id, x.task, tuple(ids), tuple(x.token_ids)))
     return cases

@@ -5,8 +5,10 @@ checks (convergence from simulated traffic drawn with a known acceptance rate)."
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -23,9 +25,6 @@ from cluster.policy import (
 )
 from cluster.routing import PoolView
 from cluster.speculation import WORKLOAD_CLASSES, SpecMode, SpecStats
-import json
-from pathlib import Path
-
 from cluster.tuning import cell_from_requests, parse_cell
 from cluster.vllm_scheduler import k_cap_for_batch
 

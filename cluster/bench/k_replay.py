@@ -12,7 +12,7 @@ to every step taken at that K. So this answers "how much could a K policy win he
 47-minute run is spent on it (BENCHMARKS.md 2.0m).
 
     python -m cluster.bench.k_replay SAMPLES.json [--config cluster/configs/local-cpu.yaml]
-        [--prompts cluster/data/specbench-heldout.jsonl] [--ngram 2,5]
+        [--prompts cluster/data/specbench-heldout.jsonl] [--ngram MIN,MAX]
 """
 
 from __future__ import annotations
@@ -75,6 +75,18 @@ class GrowOnFullAccept:
         if step.accepted == step.drafted == step.k:
             return min(self._top, state + self._up)
         return self._base
+
+
+def grow_policies(costs: dict[int, float]) -> list[GrowOnFullAccept]:
+    """The growing-K policies the run can price: every K from the base to the top one the run
+    measured (the largest priced K stands for the engine's K_max, which bounds a growing K too).
+
+    >>> [p.name for p in grow_policies({0: 1, 1: 1, 2: 1, 4: 1, 5: 1})]  # K = 3 not run: from 4 only
+    ['grow 4..5 +1', 'grow 4..5 +2']
+    """
+    top = max(costs)
+    return [GrowOnFullAccept(b, top, u) for b in (2, 3, 4, 5) for u in (1, 2)
+            if top > b and all(k in costs for k in range(b, top + 1))]
 
 
 def replay(prompt_ids: Sequence[int], output_ids: Sequence[int], policy, propose: Propose) -> list[Step]:
@@ -235,18 +247,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--config", default="cluster/configs/local-cpu.yaml")
     ap.add_argument("--prompts", default=None, help="prompts file (default: the one the bench recorded)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the config's model)")
-    ap.add_argument("--ngram", default="2,5", help="the pool's prompt_lookup_min,max")
+    ap.add_argument("--ngram", default=None,
+                    help="prompt_lookup_min,max of the replay (default: the config's n-gram pool's)")
     args = ap.parse_args(argv)
     meta, samples = load_samples(Path(args.samples))
     costs = step_cost_by_k(samples, range(1, 9))
     if len(costs) < 2:
         print("no paired none / ngram:K one-stream samples to price a step", file=sys.stderr)
         return 2
-    min_n, max_n = (int(x) for x in args.ngram.split(","))
+    if args.ngram:
+        min_n, max_n = (int(x) for x in args.ngram.split(","))
+    else:
+        from cluster.config import SpecMode, load_config
+
+        pool = next(p for p in load_config(args.config).pools.values() if p.method == SpecMode.NGRAM)
+        min_n, max_n = pool.ngram_min, pool.ngram_max
     tok = _tokenizer(args.config, meta["model"], args.tokenizer)
     cases = cases_from(samples, Path(args.prompts or meta["prompts_file"]), tok)
-    top = max(costs)  # the largest K the run priced: the engine's K_max bounds a growing K too
-    policies = [GrowOnFullAccept(b, top, u) for b in (2, 3, 4, 5) for u in (1, 2) if top > b]
+    policies = grow_policies(costs)
     r = analyse(cases, costs, ngram_proposer(min_n, max_n), policies, auto_choices(samples))
     measured = {}
     for k in r["static"]:

@@ -62,7 +62,7 @@ def test_accepted_runs_edges():
 
 def test_speculative_config_per_method():
     assert speculative_config(CFG.pools["ngram"], None) == {
-        "method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+        "method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 1, "prompt_lookup_max": 5}
     assert speculative_config(CFG.pools["draft"], "/d") == {"method": "eagle", "num_speculative_tokens": 3,
                                                             "model": "/d"}
 

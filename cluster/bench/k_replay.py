@@ -146,6 +146,46 @@ def step_cost_by_k(samples: Iterable, ks: Iterable[int], phase: str = "compare")
     return costs
 
 
+def step_time_by_drafts(samples: Iterable, cases: Sequence["Case"], propose: Propose,
+                        phase: str = "compare") -> dict[int, float]:
+    """Decode time of a step by the number of tokens it drafted (0 = a plain step), relative to a plain
+    step: least squares of each one-stream greedy `none` / `ngram:K` request's decode time on its
+    steps split by drafts, the split replayed at its K. Tells apart what `step_cost_by_k` averages:
+    whether a K is dear because it drafts more often, or because its steps verify a dearer count
+    of tokens (here 1 and 6 drafts cost more than 2-5; BENCHMARKS.md 2.0n).
+
+    >>> table = lambda ctx, k: np.array([5] * k, dtype=np.int32)  # always proposes k 5s, all accepted
+    >>> from cluster.bench.metrics import Sample
+    >>> mk = lambda c, s: Sample(phase="compare", config=c, prompt_id="p", category="qa", task="qa",
+    ...     temperature=0.0, concurrency=1, token_ids=[0] + [5] * 12, latency_s=s + 0.1, ttft_s=0.1,
+    ...     spec={"steps": 1})  # the count is the replay's; the bench's only marks a usable sample
+    >>> case = Case("p", "qa", (1,), tuple([0] + [5] * 12))
+    >>> step_time_by_drafts([mk("none", 1.2), mk("ngram:2", 0.44), mk("ngram:3", 0.45)], [case], table)
+    {0: 1.0, 2: 1.1, 3: 1.5}
+    """
+    by_id = {c.prompt_id: c for c in cases}
+    rows, times, seen = [], [], {}
+    for x in _greedy(samples, 1, phase):
+        k = 0 if x.config == "none" else int(x.config.split(":")[1]) if x.config.startswith("ngram:") else None
+        if k is None or x.prompt_id not in by_id:
+            continue
+        if (x.prompt_id, k) not in seen:
+            c = by_id[x.prompt_id]
+            seen[x.prompt_id, k] = [s.drafted for s in replay(c.prompt_ids, c.output_ids, StaticK(k), propose)]
+        rows.append(np.bincount(seen[x.prompt_id, k], minlength=MAX_DRAFTS + 1)[:MAX_DRAFTS + 1])
+        times.append(x.latency_s - x.ttft_s)
+    if not rows:
+        return {}
+    a = np.array(rows, dtype=float)
+    used = [d for d in range(a.shape[1]) if a[:, d].any()]
+    coef, *_ = np.linalg.lstsq(a[:, used], np.array(times), rcond=None)
+    t = dict(zip(used, coef))
+    return {d: round(float(v / t[0]), 6) for d, v in t.items()} if t.get(0, 0) > 0 else {}
+
+
+MAX_DRAFTS = 16  # PoolConfig.max_k's bound
+
+
 def steps_cost(steps: Sequence[Step], costs: dict[int, float]) -> float:
     """Time of `steps` in plain steps: each step costs its K's measured step time."""
     return sum(costs[s.k] for s in steps)
@@ -282,6 +322,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for t, row in r["by_task"].items():
         m = max(row.values())
         print(t + "\t" + "\t".join(f"{v / m:.3f}" for v in row.values()))
+    by_drafts = step_time_by_drafts(samples, cases, ngram_proposer(min_n, max_n))
+    print("\nstep time by drafts in the step (x a plain step; least squares over the requests): "
+          + " ".join(f"{d}:{v:.3f}" for d, v in by_drafts.items()))
     print(f"\nvs best static (K = {best}):")
     for name, v in r["ceilings"].items():
         print(f"  {name:36s} {v:.4f}")

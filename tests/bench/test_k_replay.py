@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from cluster.bench.k_replay import (
-    Case, GrowOnFullAccept, StaticK, analyse, auto_choices, ngram_proposer, replay, step_cost_by_k,
+    Case, GrowOnFullAccept, StaticK, analyse, auto_choices, grow_policies, ngram_proposer, replay, step_cost_by_k,
+    step_time_by_drafts,
 )
 from cluster.bench.metrics import Sample
 
@@ -75,3 +76,27 @@ def test_auto_choices_reads_the_mode_and_k_auto_ran():
     samples = [_sample("auto", "a", "qa", 0, 4, 0.4, k=4, mode="ngram"), _sample("auto", "a", "qa", 1, 8, 0.8, k=0, mode="none"),
                _sample("auto", "b", "qa", 0, 4, 0.4, k=2, mode="eagle"), _sample("ngram:4", "a", "qa", 0, 4, 0.4)]
     assert auto_choices(samples) == {"a": [4, 0]}
+
+
+def test_step_time_by_drafts_recovers_a_cost_per_draft_count_that_is_not_linear_in_k():
+    """Every step of `ngram:K` drafts K here (the proposer always offers K tokens), so each K's decode
+    time fixes one draft count's step time; configs that are not none / ngram:K are left out."""
+    table = lambda ctx, k: np.array([5] * k, dtype=np.int32)  # noqa: E731
+    out = [0] + [5, 5, 6] * 8  # every third token rejects the drafts
+    case = Case("a", "qa", (1,), tuple(out))
+    true = {0: 1.0, 1: 1.2, 2: 1.0, 3: 1.02, 6: 1.3}  # K = 1 and 6 dear, as measured here
+    samples = []
+    for k, c in true.items():
+        steps = replay(case.prompt_ids, case.output_ids, StaticK(k), table)
+        assert all(s.drafted == k for s in steps)
+        samples.append(_sample("none" if k == 0 else f"ngram:{k}", "a", "qa", 0, len(steps), 0.07 * c * len(steps)))
+    samples.append(_sample("auto", "a", "qa", 0, 3, 9.0, k=2, mode="ngram"))
+    got = step_time_by_drafts(samples, [case], table)
+    assert got == {d: pytest.approx(c) for d, c in true.items()}
+    assert step_time_by_drafts([], [case], table) == {}
+
+
+def test_growing_k_policies_are_built_only_where_every_k_was_priced():
+    assert [p.name for p in grow_policies({0: 1, 2: 1, 3: 1, 4: 1})] == [
+        "grow 2..4 +1", "grow 2..4 +2", "grow 3..4 +1", "grow 3..4 +2"]
+    assert grow_policies({0: 1, 1: 1, 3: 1}) == []  # no K = 2: nothing grows from 2; 3 is the top

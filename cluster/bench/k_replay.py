@@ -146,6 +146,9 @@ def step_cost_by_k(samples: Iterable, ks: Iterable[int], phase: str = "compare")
     return costs
 
 
+MAX_DRAFTS = 16  # PoolConfig.max_k's bound
+
+
 def step_time_by_drafts(samples: Iterable, cases: Sequence["Case"], propose: Propose,
                         phase: str = "compare") -> dict[int, float]:
     """Decode time of a step by the number of tokens it drafted (0 = a plain step), relative to a plain
@@ -181,9 +184,6 @@ def step_time_by_drafts(samples: Iterable, cases: Sequence["Case"], propose: Pro
     coef, *_ = np.linalg.lstsq(a[:, used], np.array(times), rcond=None)
     t = dict(zip(used, coef))
     return {d: round(float(v / t[0]), 6) for d, v in t.items()} if t.get(0, 0) > 0 else {}
-
-
-MAX_DRAFTS = 16  # PoolConfig.max_k's bound
 
 
 def steps_cost(steps: Sequence[Step], costs: dict[int, float]) -> float:

@@ -26,8 +26,10 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
+from cluster.bench.plan import NONE, parse_config
 from cluster.bench.step_split import _greedy
 from cluster.bench.workload import load_prompts
+from cluster.speculation import SpecMode
 
 Propose = Callable[[np.ndarray, int], np.ndarray]  # (context token ids, K) -> draft token ids
 
@@ -169,9 +171,10 @@ def step_time_by_drafts(samples: Iterable, cases: Sequence["Case"], propose: Pro
     by_id = {c.prompt_id: c for c in cases}
     rows, times, seen = [], [], {}
     for x in _greedy(samples, 1, phase):
-        k = 0 if x.config == "none" else int(x.config.split(":")[1]) if x.config.startswith("ngram:") else None
-        if k is None or x.prompt_id not in by_id:
+        config = parse_config(x.config)[0]
+        if config.mode not in (NONE, SpecMode.NGRAM.value) or config.k is None or x.prompt_id not in by_id:
             continue
+        k = config.k
         if (x.prompt_id, k) not in seen:
             c = by_id[x.prompt_id]
             seen[x.prompt_id, k] = [s.drafted for s in replay(c.prompt_ids, c.output_ids, StaticK(k), propose)]
@@ -298,14 +301,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.ngram:
         min_n, max_n = (int(x) for x in args.ngram.split(","))
     else:
-        from cluster.config import SpecMode, load_config
+        from cluster.config import load_config
 
         pool = next(p for p in load_config(args.config).pools.values() if p.method == SpecMode.NGRAM)
         min_n, max_n = pool.ngram_min, pool.ngram_max
     tok = _tokenizer(args.config, meta["model"], args.tokenizer)
     cases = cases_from(samples, Path(args.prompts or meta["prompts_file"]), tok)
-    policies = grow_policies(costs)
-    r = analyse(cases, costs, ngram_proposer(min_n, max_n), policies, auto_choices(samples))
+    propose = ngram_proposer(min_n, max_n)
+    r = analyse(cases, costs, propose, grow_policies(costs), auto_choices(samples))
     measured = {}
     for k in r["static"]:
         runs = [(len(x.token_ids) - 1, x.spec["steps"]) for x in _greedy(samples, 1, "compare")
@@ -322,7 +325,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for t, row in r["by_task"].items():
         m = max(row.values())
         print(t + "\t" + "\t".join(f"{v / m:.3f}" for v in row.values()))
-    by_drafts = step_time_by_drafts(samples, cases, ngram_proposer(min_n, max_n))
+    by_drafts = step_time_by_drafts(samples, cases, propose)
     print("\nstep time by drafts in the step (x a plain step; least squares over the requests): "
           + " ".join(f"{d}:{v:.3f}" for d, v in by_drafts.items()))
     print(f"\nvs best static (K = {best}):")

@@ -139,6 +139,17 @@ class PoolConfig(_Strict):
         2.0, gt=0, description="method remote_draft: while the drafter is failing, try it again this often."
     )
     max_k: int = Field(0, ge=0, le=16, description="Largest K a request may ask of this pool (0 for method none).")
+    k_grow_step: int = Field(
+        0, ge=0, le=16,
+        description=(
+            "A policy-chosen K grows by this after a step that accepted all its K drafts, back to the "
+            "chosen K after a rejection (the engine's scheduler does it per step; 0: K stays fixed). "
+            "A request may set its own with `speculative.k_grow`."
+        ),
+    )
+    k_grow_max: Optional[int] = Field(
+        None, ge=1, le=16, description="The largest K growth reaches (at most max_k; unset: max_k)."
+    )
     ngram_min: int = Field(2, ge=1, description="n-gram method: shortest prompt match.")
     ngram_max: int = Field(5, ge=1, description="n-gram method: longest prompt match.")
     replicas: int = Field(1, ge=1, description="Replicas when autoscaling is not set.")
@@ -236,6 +247,11 @@ class PoolConfig(_Strict):
             raise ValueError("`remote_drafter` is needed by, and only used by, method 'remote_draft'")
         if self.ngram_max < self.ngram_min:
             raise ValueError("ngram_max must be >= ngram_min")
+        if self.k_grow_step and self.method in (SpecMode.NONE, SpecMode.REMOTE_DRAFT):
+            raise ValueError(f"k_grow_step: method {self.method.value!r} cannot grow K "
+                             "(none drafts nothing; remote_draft's drafter drafts the K it was asked)")
+        if self.k_grow_max is not None and self.k_grow_max > self.max_k:
+            raise ValueError(f"k_grow_max ({self.k_grow_max}) must be <= max_k ({self.max_k})")
         return self
 
     @property

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from cluster.api import ApiError, ErrorCode
-from cluster.config import ClusterConfig, RouterConfig
+from cluster.config import ClusterConfig, PoolConfig, RouterConfig
 from cluster.speculation import SpecMode
 from cluster.vllm_scheduler import k_cap_for_batch
 
@@ -220,6 +220,32 @@ def route(
     from cluster.policy import choose_auto
 
     return choose_auto(pools, router, workload_class, tuning)
+
+
+def growth_rule(pool: PoolConfig, decision: Decision, k_grow: Optional[int] = None) -> Optional[tuple[int, int]]:
+    """(step, top) of the K growth a request gets inside its engine (`cluster.vllm_scheduler`), or
+    None for a fixed K. The request's own `speculative.k_grow` wins (0: none); otherwise a K the
+    policy chose grows by the pool's `k_grow_step`, and a K the request named or the configured
+    default stays fixed (a caller who names K gets that K). `top` is the pool's `k_grow_max`
+    (else max_k); growth from a K already at the top is none.
+
+    >>> p = PoolConfig(model="m", method="ngram", max_k=6, k_grow_step=2, k_grow_max=5)
+    >>> growth_rule(p, Decision("ngram", SpecMode.NGRAM, 3, "policy"))
+    (2, 5)
+    >>> growth_rule(p, Decision("ngram", SpecMode.NGRAM, 3, "request")), growth_rule(p, Decision("ngram", SpecMode.NGRAM, 3, "request"), 1)
+    (None, (1, 5))
+    >>> growth_rule(p, Decision("ngram", SpecMode.NGRAM, 5, "policy")), growth_rule(p, Decision("ngram", SpecMode.NONE, 0, "policy"))
+    (None, None)
+    """
+    if decision.k <= 0:
+        return None
+    if k_grow is not None and k_grow > 0 and pool.method == SpecMode.REMOTE_DRAFT:
+        raise ApiError(ErrorCode.INVALID_ARGUMENT,
+                       "speculative.k_grow: the remote_draft pool's drafter drafts a fixed K; omit k_grow or set 0",
+                       field="speculative.k_grow")
+    step = k_grow if k_grow is not None else (pool.k_grow_step if decision.decided_by == "policy" else 0)
+    top = min(pool.k_grow_max or pool.max_k, pool.max_k)
+    return (int(step), int(top)) if step > 0 and decision.k < top else None
 
 
 def explain_choices(

@@ -30,6 +30,9 @@ from dataclasses import asdict, dataclass, field
 # per-step cap table [(min_batch_size, k_cap), ...], into the engine's scheduler.
 EXTRA_ARGS_K = "specserve_k"
 EXTRA_ARGS_K_CAP = "specserve_k_cap"
+# [step, top]: the request's K grows by `step` after a step that accepted all K drafts, up to `top`,
+# and goes back to the admitted K after a rejection (set by the router for policy-chosen K only).
+EXTRA_ARGS_K_GROW = "specserve_k_grow"
 
 # Accepted runs longer than this are counted as this long (`accepted_runs`); 4 x the largest K
 # here, so the cap changes no step count the policy compares.

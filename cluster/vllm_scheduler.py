@@ -11,8 +11,18 @@ meets a load spike stops paying for speculation, and
 2. tells the proposer to draft only as many tokens as the largest K in the running batch
    (`SchedulerOutput.num_spec_tokens_to_schedule`), so K = 0 batches do no drafting work.
 
+A request may also carry a growth rule [step, top] (`EXTRA_ARGS_K_GROW`, set by the router when
+the policy chose its K and the pool enables it): after a step that drafted and accepted its full K,
+the next step's K is that K + step (up to top and K_max), and after a rejection it is the admitted K
+again; a step without drafts leaves it. A fully accepted step means the text is copying a span of
+the context, so the next drafts are likely accepted too (Hugging Face's assisted generation grows
+its K the same way). A grown K obeys the table's load caps (entries after the first) but not the
+first entry, which is only the largest K admitted at batch 1 (`policy.k_cap_table`). The outcome of
+each step is read in `update_from_output` from what vLLM scheduled and sampled, as vLLM does.
+
 Verification and rejection sampling are vLLM's own, so the output distribution is unchanged.
-The decision is the pure function `effective_k`; the class only wires it into vLLM.
+The decisions are the pure functions `effective_k`, `grown_effective_k` and `next_k`; the class
+only wires them into vLLM.
 """
 
 from __future__ import annotations
@@ -20,8 +30,11 @@ from __future__ import annotations
 import bisect
 from typing import Any, Optional, Sequence
 
-from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP
+from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW
 
+# Attributes the scheduler keeps on a vLLM Request: the K state of a growing request, and the
+# effective K its latest drafts were trimmed to.
+_K_STATE, _K_USED = "_specserve_k_state", "_specserve_k_used"
 # Key under vLLM's `additional_config` holding specserve's engine-side settings.
 ADDITIONAL_CONFIG_KEY = "specserve"
 KCapTable = Sequence[tuple[int, int]]  # [(min_batch_size, k_cap), ...] sorted by min_batch_size
@@ -75,6 +88,61 @@ def effective_k(k_requested: int, k_max: int, batch_size: int, table: Optional[K
     return k if cap is None else min(k, max(0, cap))
 
 
+def growth_from(extra_args: Optional[dict[str, Any]]) -> Optional[tuple[int, int]]:
+    """The growth rule (step, top) a request carries, or None (no growth; malformed ones too).
+
+    >>> growth_from({"specserve_k_grow": [2, 5]}), growth_from({"specserve_k_grow": [0, 5]}), growth_from(None)
+    ((2, 5), None, None)
+    """
+    raw = (extra_args or {}).get(EXTRA_ARGS_K_GROW)
+    if not isinstance(raw, (list, tuple)) or len(raw) != 2:
+        return None
+    try:
+        step, top = int(raw[0]), int(raw[1])
+    except (TypeError, ValueError):
+        return None
+    return (step, top) if step >= 1 and top >= 1 else None
+
+
+def grown_effective_k(k_state: int, k_base: int, k_max: int, batch_size: int,
+                      table: Optional[KCapTable] = None) -> int:
+    """K used in one step by a request whose K may have grown (`k_state`) past its admitted one
+    (`k_base`). Up to the admitted K this is `effective_k`; a grown K is bounded by K_max and by the
+    table's load caps only, not by its first entry (the largest K admitted at batch 1, which caps
+    admissions, not growth).
+
+    >>> table = [(1, 4), (4, 2), (16, 0)]
+    >>> [grown_effective_k(6, 3, 6, b, table) for b in (1, 3, 4, 16)]
+    [6, 6, 2, 0]
+    >>> grown_effective_k(3, 3, 6, 1, [(1, 2)])  # not grown: the whole table applies
+    2
+    """
+    if k_state <= k_base:
+        return effective_k(k_state, k_max, batch_size, table)
+    return effective_k(k_state, k_max, batch_size, list(table)[1:] if table else None)
+
+
+def next_k(k_used: int, k_state: int, k_base: int, growth: Optional[tuple[int, int]],
+           drafted: int, accepted: int) -> int:
+    """The request's K state after a step that ran at `k_used` (its effective K) and verified
+    `drafted` drafts of which `accepted` were accepted.
+
+    >>> g = (2, 5)
+    >>> next_k(3, 3, 3, g, 3, 3), next_k(5, 5, 3, g, 5, 5), next_k(5, 5, 3, g, 5, 4)  # grow, top, reset
+    (5, 5, 3)
+    >>> next_k(5, 5, 3, g, 0, 0), next_k(3, 3, 3, g, 2, 2), next_k(3, 3, 3, None, 3, 3)  # keep; short; off
+    (5, 3, 3)
+    """
+    if growth is None:
+        return k_base
+    if drafted <= 0:
+        return k_state  # nothing verified: nothing learnt about the text
+    if k_used > 0 and accepted >= drafted >= k_used:
+        step, top = growth
+        return max(k_base, min(top, k_used + step))
+    return k_base
+
+
 def _make_scheduler_cls():
     # vLLM is imported lazily so that the pure functions above are testable without it.
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -93,7 +161,10 @@ def _make_scheduler_cls():
             extra = request.sampling_params.extra_args if request.sampling_params is not None else None
             k_req = requested_k(extra, self.num_spec_tokens)
             table = cap_table_from(extra) or self.k_cap_table
-            return effective_k(k_req, self.num_spec_tokens, batch_size, table)
+            k_state = getattr(request, _K_STATE, None)
+            if k_state is None:
+                return effective_k(k_req, self.num_spec_tokens, batch_size, table)
+            return grown_effective_k(k_state, k_req, self.num_spec_tokens, batch_size, table)
 
         def update_draft_token_ids(self, draft_token_ids) -> None:
             batch_size = len(self.running)
@@ -102,10 +173,35 @@ def _make_scheduler_cls():
                 if request is None:
                     continue
                 k = self._k_for(request, batch_size)
+                setattr(request, _K_USED, k)
                 drafts = draft_token_ids.draft_token_ids[i]
                 if len(drafts) > k:
                     draft_token_ids.draft_token_ids[i] = list(drafts[:k])
             super().update_draft_token_ids(draft_token_ids)
+
+        def update_from_output(self, scheduler_output, model_runner_output):
+            # Before vLLM's own bookkeeping: the K state of growing requests from this step's outcome
+            # (drafts scheduled, tokens sampled: accepted = sampled - 1, as vLLM counts them).
+            scheduled = scheduler_output.scheduled_spec_decode_tokens
+            sampled = model_runner_output.sampled_token_ids
+            index = model_runner_output.req_id_to_index
+            for req_id, drafts in (scheduled or {}).items():
+                request = self.requests.get(req_id)
+                if request is None or request.sampling_params is None:
+                    continue
+                extra = request.sampling_params.extra_args
+                growth = growth_from(extra)
+                i = index.get(req_id)
+                if growth is None or i is None or i >= len(sampled) or not len(sampled[i]):
+                    continue
+                k_base = requested_k(extra, self.num_spec_tokens)
+                k_state = getattr(request, _K_STATE, None)
+                k_state = k_base if k_state is None else k_state
+                drafted = sum(1 for t in drafts if t >= 0)  # -1: a draft the grammar invalidated
+                k_used = getattr(request, _K_USED, k_base)
+                setattr(request, _K_STATE, next_k(k_used, k_state, k_base, (growth[0], min(growth[1], self.num_spec_tokens)),
+                                                  drafted, max(len(sampled[i]) - 1, 0)))
+            return super().update_from_output(scheduler_output, model_runner_output)
 
         def schedule(self, *args, **kwargs):
             output = super().schedule(*args, **kwargs)

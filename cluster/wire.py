@@ -118,6 +118,8 @@ def from_proto(msg: Any) -> GenerateRequest:
         spec: dict[str, Any] = {"mode": msg.speculative.mode}
         if msg.speculative.HasField("k"):
             spec["k"] = msg.speculative.k
+        if msg.speculative.HasField("k_grow"):
+            spec["k_grow"] = msg.speculative.k_grow
         data["speculative"] = spec
     if msg.request_id:
         data["request_id"] = msg.request_id

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 from cluster.autoscale import LatencyWindow
 from cluster.config import PoolConfig
 from cluster.placement import platform_engine_kwargs
-from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, SpecMode, SpecStats, accepted_runs
+from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, SpecMode, SpecStats, accepted_runs
 from cluster.vllm_scheduler import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS_PATH
 
 log = logging.getLogger("specserve.engine")
@@ -43,6 +43,7 @@ class EngineRequest:
     logprobs: Optional[int] = None  # top-N logprobs per output token (for lossless diagnostics)
     ignore_eos: bool = False
     k_cap_by_batch: Optional[list[tuple[int, int]]] = None  # pool's per-step cap table from the tuner
+    k_grow: Optional[tuple[int, int]] = None  # (step, top): K grows within the request (vllm_scheduler)
 
 
 @dataclass
@@ -206,7 +207,8 @@ class EngineServer:
             ignore_eos=req.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
             extra_args={EXTRA_ARGS_K: int(req.k),
-                        **({EXTRA_ARGS_K_CAP: [list(e) for e in req.k_cap_by_batch]} if req.k_cap_by_batch else {})},
+                        **({EXTRA_ARGS_K_CAP: [list(e) for e in req.k_cap_by_batch]} if req.k_cap_by_batch else {}),
+                        **({EXTRA_ARGS_K_GROW: [int(x) for x in req.k_grow]} if req.k_grow else {})},
         )
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:

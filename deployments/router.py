@@ -19,8 +19,8 @@ from cluster.api import ApiError, ErrorCode, GenerateRequest, from_openai
 from cluster.auth import AUTH_ERROR_MESSAGE, ApiKeyStore, bearer_from_grpc, bearer_from_http
 from cluster.config import ClusterConfig
 from cluster.policy import load_bucket
-from cluster.routing import (Decision, LoadMeter, PoolView, cap_at_admission, load_domain, pool_load, pool_views,
-                             resolve_model, route, with_load)
+from cluster.routing import (Decision, LoadMeter, PoolView, cap_at_admission, growth_rule, load_domain, pool_load,
+                             pool_views, resolve_model, route, with_load)
 from cluster.wire import Completion, openai_chunk, openai_error_event, openai_response
 from deployments.engine import EngineChunk, EngineRequest
 
@@ -145,12 +145,14 @@ class Router:
         caps = self._cap_table(model, d.pool) if d.k and d.decided_by == "policy" else None
         if caps:
             d = cap_at_admission(d, caps, d.detail.get("join_batch", 1.0))
+        pool = self.config.pools[d.pool]
         ereq = EngineRequest(
             request_id=rid, mode=d.mode.value, k=d.k, prompt=req.prompt,
             messages=[m.model_dump() for m in req.messages] if req.messages else None,
             max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
             stop=list(req.stop), logprobs=req.logprobs, ignore_eos=req.ignore_eos,
             k_cap_by_batch=caps if d.k else None,
+            k_grow=growth_rule(pool, d, req.speculative.k_grow if req.speculative else None),
         )
         return model, d, ereq
 

@@ -172,7 +172,8 @@ def step_time_by_drafts(samples: Iterable, cases: Sequence["Case"], propose: Pro
     rows, times, seen = [], [], {}
     for x in _greedy(samples, 1, phase):
         config = parse_config(x.config)[0]
-        if config.mode not in (NONE, SpecMode.NGRAM.value) or config.k is None or x.prompt_id not in by_id:
+        if (config.mode not in (NONE, SpecMode.NGRAM.value) or config.k is None or config.k_grow is not None
+                or x.prompt_id not in by_id):
             continue
         k = config.k
         if (x.prompt_id, k) not in seen:

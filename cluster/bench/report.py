@@ -167,6 +167,12 @@ def _rate(x: Any) -> Optional[float]:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
 
 
+def _static(config: str) -> bool:
+    """A configuration the router's verdict compares against: a fixed mode and K (or none), not auto
+    and not a K that grows within the request (`MODE:K+S`, reported as a row of its own)."""
+    return config != AUTO and "+" not in config
+
+
 def cross_validated_best(auto_rounds: Optional[list], static_rounds: dict[str, Optional[list]]) -> dict[str, Any]:
     """`auto` against a best static configuration chosen without looking at the repeat it is judged on.
 
@@ -258,10 +264,10 @@ def router_verdict(summary: dict[str, Any], temperature: str = "0") -> dict[str,
     noisy: list[str] = []
     rows = summary["comparison"].get(temperature, {})
     if AUTO in rows:
-        static = {c: r["repeat_tokens_per_s"]["median"] for c, r in rows.items() if c != AUTO}
+        static = {c: r["repeat_tokens_per_s"]["median"] for c, r in rows.items() if _static(c)}
         best = max(static, key=static.get)
         auto = rows[AUTO]["repeat_tokens_per_s"]["median"]
-        cv = cross_validated_best(rows[AUTO].get("rounds"), {c: r.get("rounds") for c, r in rows.items() if c != AUTO})
+        cv = cross_validated_best(rows[AUTO].get("rounds"), {c: r.get("rounds") for c, r in rows.items() if _static(c)})
         verdict["one_stream"] = {"auto_tokens_per_s": auto, "best_static": best,
                                  "best_static_tokens_per_s": static[best],
                                  "ratio": auto / static[best], "ok": auto >= static[best],
@@ -275,11 +281,11 @@ def router_verdict(summary: dict[str, Any], temperature: str = "0") -> dict[str,
             noisy.append("one_stream")
         tasks = {}
         for task, arow in rows[AUTO]["by_task"].items():
-            speeds = {c: r["by_task"][task]["speedup"] for c, r in rows.items() if c != AUTO and task in r["by_task"]}
+            speeds = {c: r["by_task"][task]["speedup"] for c, r in rows.items() if _static(c) and task in r["by_task"]}
             tbest = max(speeds, key=speeds.get)
             ratio = arow["speedup"] / speeds[tbest]
             tcv = cross_validated_best(arow.get("rounds"), {c: r["by_task"][task].get("rounds") for c, r in rows.items()
-                                                            if c != AUTO and task in r["by_task"]})
+                                                            if _static(c) and task in r["by_task"]})
             tasks[task] = {"auto_speedup": arow["speedup"], "best_static": tbest,
                            "best_static_speedup": speeds[tbest], "ratio": ratio,
                            "ok": ratio >= ROUTER_TASK_TOLERANCE, **tcv,
@@ -291,7 +297,7 @@ def router_verdict(summary: dict[str, Any], temperature: str = "0") -> dict[str,
         for level, arow in load[AUTO].items():
             plain = _load_tput(level, load[NONE][level]) if level in load.get(NONE, {}) else 0.0
             spec = {c: _load_tput(level, lv[level]) for c, lv in load.items()
-                    if c not in (AUTO, NONE) and level in lv}
+                    if c != NONE and _static(c) and level in lv}
             sbest = max(spec, key=spec.get) if spec else None
             ref = max(plain, spec[sbest] if sbest else 0.0)
             if ref <= 0:

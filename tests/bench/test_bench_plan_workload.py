@@ -40,6 +40,11 @@ def test_parse_configs_and_overrides():
             P.parse_configs(bad, max_k)
     with pytest.raises(ValueError):
         P.parse_configs("ngram:*")  # needs the pools
+    grow = P.parse_configs("ngram:3+2,ngram:3", max_k)
+    assert names(grow) == ["ngram:3+2", "ngram:3"] and grow[0].speculative() == {"mode": "ngram", "k": 3, "k_grow": 2}
+    for bad in ("ngram:3+0", "ngram:3+", "ngram+2", "auto+1", "none+1", "ngram:*+2", "ngram:7+1"):
+        with pytest.raises(ValueError):
+            P.parse_configs(bad, max_k)
 
 
 def test_interleaved_order_balances_positions():

@@ -145,3 +145,13 @@ def test_build_summary_pools_sweep_rounds_not_the_wall_span():
     v = s["router"]["load"]["4"]
     assert v["ratio"] == pytest.approx(5.0 / 3.5) and v["round_ratios"] == pytest.approx([16 / 12, 12 / 8])
     assert "Phase order per round: 4 streams: [none, auto] [auto, none]" in render_markdown(s, {})
+
+
+def test_a_growing_k_is_not_a_static_configuration():
+    """`MODE:K+S` rows are reported but the verdict compares auto with fixed K only (the issue's bar)."""
+    s = summary()
+    s["comparison"]["0"]["ngram:3+2"] = _row(13.0, {"qa": 1.20, "translation": 2.50})
+    s["load"]["ngram:3+2"] = {"1": _lvl(None, 13.0), "4": _lvl(30.0), "16": _lvl(50.0)}
+    v = router_verdict(s)
+    assert v["one_stream"]["best_static"] == "ngram:3" and v["by_task"]["qa"]["best_static"] == "ngram:1"
+    assert v["load"]["4"]["ratio"] == pytest.approx(27.0 / 27.70) and v["all_ok"]

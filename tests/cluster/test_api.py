@@ -16,10 +16,11 @@ MSG = [{"role": "user", "content": "hi"}]
 def test_chat_request_with_extension():
     r = from_openai({"model": "m", "messages": MSG, "max_tokens": 5, "stop": "x", "stream": True, "n": 1,
                      "logprobs": True, "top_logprobs": 2,
-                     "specserve": {"workload_class": "code", "speculative": {"mode": "ngram", "k": 3},
+                     "specserve": {"workload_class": "code", "speculative": {"mode": "ngram", "k": 3, "k_grow": 2},
                                    "request_id": "abc-1"}}, chat=True)
     assert r.max_tokens == 5 and r.stop == ["x"] and r.stream and r.logprobs == 2
     assert r.workload_class == "code" and r.speculative.mode == "ngram" and r.speculative.k == 3
+    assert r.speculative.k_grow == 2
     assert r.request_id == "abc-1"
 
 
@@ -38,6 +39,8 @@ def test_completion_request():
      ({"messages": MSG, "unknown_field": 1}, "unknown_field"),
      ({"messages": MSG, "specserve": {"speculative": {"mode": "warp"}}}, "speculative.mode"),
      ({"messages": MSG, "specserve": {"speculative": {"mode": "ngram", "k": 99}}}, "speculative.k"),
+     ({"messages": MSG, "specserve": {"speculative": {"mode": "ngram", "k": 2, "k_grow": -1}}}, "speculative.k_grow"),
+     ({"messages": MSG, "specserve": {"speculative": {"mode": "ngram", "k": 2, "k_grow": 17}}}, "speculative.k_grow"),
      ({"messages": MSG, "specserve": {"workload_class": "poetry"}}, "workload_class"),
      ({"messages": MSG, "specserve": {"request_id": "has space"}}, "request_id"),
      ({"messages": MSG, "specserve": {"bogus": 1}}, "specserve"),
@@ -65,3 +68,16 @@ def test_request_ids_are_generated_and_unguessable():
     a, b = parse_request({"prompt": "x"}), parse_request({"prompt": "x"})
     ra, rb = a.ensure_request_id(), b.ensure_request_id()
     assert ra != rb and len(ra) >= 20
+
+
+def test_grpc_speculative_k_grow_maps_and_is_validated():
+    from cluster.wire import from_proto
+    from specserve.v1 import specserve_pb2 as pb
+
+    msg = pb.GenerateRequest(prompt="x", speculative=pb.SpeculativeOverride(mode="ngram", k=2, k_grow=2))
+    assert from_proto(msg).speculative.k_grow == 2
+    msg = pb.GenerateRequest(prompt="x", speculative=pb.SpeculativeOverride(mode="ngram", k=2))
+    assert from_proto(msg).speculative.k_grow is None  # unset: the pool's rule
+    with pytest.raises(ApiError) as e:
+        from_proto(pb.GenerateRequest(prompt="x", speculative=pb.SpeculativeOverride(mode="ngram", k=2, k_grow=40)))
+    assert e.value.field == "speculative.k_grow"

@@ -141,3 +141,57 @@ def test_tuning_explain_command_prints_cold_start_choices_when_redis_is_unreacha
     assert float(next(r for r in rows if r["workload_class"] == "translation" and r["batch"] == "1")["k"]) >= 4
     assert main(["tuning", "--config", str(cfg), "--explain", "--batches", "1,x"]) == 2
     assert "--batches" in capsys.readouterr().err
+
+
+# -- K growth within a request --------------------------------------------------------------------
+
+def _pool(**kw):
+    from cluster.config import PoolConfig
+
+    return PoolConfig(**{"model": "m", "method": "ngram", "max_k": 6, **kw})
+
+
+@pytest.mark.parametrize(
+    "pool_kw, k, by, k_grow, want",
+    [({"k_grow_step": 2, "k_grow_max": 5}, 3, "policy", None, (2, 5)),
+     ({"k_grow_step": 2}, 3, "policy", None, (2, 6)),  # top: max_k when k_grow_max is unset
+     ({"k_grow_step": 2}, 3, "request", None, None),  # the caller named K: fixed
+     ({"k_grow_step": 2}, 3, "default", None, None),
+     ({}, 3, "policy", None, None),  # the pool does not grow
+     ({}, 3, "request", 1, (1, 6)),  # the caller's k_grow wins either way
+     ({"k_grow_step": 2}, 3, "policy", 0, None),
+     ({"k_grow_step": 2, "k_grow_max": 5}, 5, "policy", None, None),  # already at the top
+     ({"k_grow_step": 2}, 0, "policy", 2, None)],  # plain decoding
+)
+def test_growth_rule(pool_kw, k, by, k_grow, want):
+    from cluster.routing import Decision, growth_rule
+
+    d = Decision("ngram", SpecMode.NGRAM if k else SpecMode.NONE, k, by)
+    assert growth_rule(_pool(**pool_kw), d, k_grow) == want
+
+
+def test_growth_rule_refuses_a_remote_drafter_and_names_the_field():
+    from cluster.config import PoolConfig
+    from cluster.routing import Decision, growth_rule
+
+    pool = PoolConfig(model="m", method="remote_draft", max_k=4, remote_drafter="d")
+    d = Decision("remote", SpecMode.REMOTE_DRAFT, 2, "request")
+    assert growth_rule(pool, d, None) is None and growth_rule(pool, d, 0) is None
+    with pytest.raises(ApiError) as e:
+        growth_rule(pool, d, 2)
+    assert e.value.code == ErrorCode.INVALID_ARGUMENT and e.value.field == "speculative.k_grow"
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"method": "none", "max_k": 0, "k_grow_step": 2}, "cannot grow K"),
+    ({"method": "remote_draft", "max_k": 4, "remote_drafter": "d", "k_grow_step": 1}, "cannot grow K"),
+    ({"method": "ngram", "max_k": 4, "k_grow_step": 1, "k_grow_max": 5}, "k_grow_max"),
+    ({"method": "ngram", "max_k": 4, "k_grow_step": 17}, "k_grow_step"),
+])
+def test_pool_growth_config_is_validated(kw, message):
+    from pydantic import ValidationError
+
+    from cluster.config import PoolConfig
+
+    with pytest.raises(ValidationError, match=message):
+        PoolConfig(model="m", **kw)

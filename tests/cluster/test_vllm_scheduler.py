@@ -55,3 +55,100 @@ def test_cap_table_from_request(extra, want):
     from cluster.vllm_scheduler import cap_table_from
 
     assert cap_table_from(extra) == want
+
+
+# -- K growing within a request ---------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "extra, want",
+    [(None, None), ({}, None), ({"specserve_k_grow": [2, 5]}, (2, 5)), ({"specserve_k_grow": (1, 6)}, (1, 6)),
+     ({"specserve_k_grow": [0, 5]}, None), ({"specserve_k_grow": [2, 0]}, None), ({"specserve_k_grow": [2]}, None),
+     ({"specserve_k_grow": "2,5"}, None), ({"specserve_k_grow": [2, "x"]}, None), ({"specserve_k_grow": [-1, 5]}, None)],
+)
+def test_growth_from_request(extra, want):
+    from cluster.vllm_scheduler import growth_from
+
+    assert growth_from(extra) == want
+
+
+@pytest.mark.parametrize(
+    "k_state, k_base, batch, table, want",
+    [(5, 3, 1, [(1, 3)], 5),  # the first entry caps admissions, not growth
+     (5, 3, 1, [(1, 3), (4, 2)], 5), (5, 3, 4, [(1, 3), (4, 2)], 2),  # a load cap binds a grown K too
+     (3, 3, 1, [(1, 2)], 2),  # not grown: the whole table, as before
+     (9, 3, 1, None, 6),  # K_max bounds it
+     (5, 3, 16, [(1, 6), (16, 0)], 0)],
+)
+def test_grown_effective_k(k_state, k_base, batch, table, want):
+    from cluster.vllm_scheduler import grown_effective_k
+
+    assert grown_effective_k(k_state, k_base, 6, batch, table) == want
+
+
+def test_next_k_follows_the_replays_growing_policy():
+    """The engine's rule is the one `cluster.bench.k_replay` priced (GrowOnFullAccept): over random
+    step outcomes, the two give the same K sequence."""
+    import random
+
+    from cluster.bench.k_replay import GrowOnFullAccept, Step
+    from cluster.vllm_scheduler import next_k
+
+    rng = random.Random(7)
+    for base, up, top in [(1, 2, 5), (3, 2, 5), (2, 1, 6), (4, 2, 6)]:
+        pol, state, k = GrowOnFullAccept(base, top, up), GrowOnFullAccept(base, top, up).start(), base
+        for _ in range(300):
+            drafted = rng.choice([0, k, k, k, max(k - 1, 0)])
+            accepted = rng.choice([drafted, drafted, rng.randint(0, drafted)])
+            state = pol.update(state, Step(k, drafted, accepted))
+            k = next_k(k, k, base, (up, top), drafted, accepted)
+            assert k == state
+
+
+def test_next_k_edges():
+    from cluster.vllm_scheduler import next_k
+
+    assert next_k(0, 0, 0, (2, 5), 0, 0) == 0  # K = 0 drafts nothing and stays
+    assert next_k(2, 2, 3, (2, 5), 2, 2) == 4  # a load cap had cut it to 2: grow from what ran
+    assert next_k(2, 2, 3, (2, 5), 2, 1) == 3  # ... and a rejection resets to the admitted K
+    assert next_k(5, 5, 3, (2, 5), 5, 9) == 5  # accepted beyond drafted (never from vLLM): full
+
+
+class _Req:
+    def __init__(self, extra):
+        from types import SimpleNamespace
+
+        self.sampling_params = SimpleNamespace(extra_args=extra)
+
+
+def test_scheduler_trims_to_the_grown_k_step_by_step(monkeypatch):
+    """The wiring: drafts are trimmed to the request's current K, and the K state follows what vLLM
+    scheduled and sampled in each step (vLLM's own bookkeeping is stubbed out here; the real engine
+    runs it in tests/e2e/test_foundation.py)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from cluster import vllm_scheduler
+
+    monkeypatch.setattr(Scheduler, "update_draft_token_ids", lambda self, d: None)
+    monkeypatch.setattr(Scheduler, "update_from_output", lambda self, so, mo: {})
+    cls = vllm_scheduler.PerRequestKScheduler
+    sched = cls.__new__(cls)
+    grow = _Req({"specserve_k": 2, "specserve_k_grow": [2, 5]})
+    fixed = _Req({"specserve_k": 2})
+    sched.requests, sched.running, sched.num_spec_tokens, sched.k_cap_table = {"g": grow, "f": fixed}, [grow, fixed], 6, None
+
+    def step(accepted_g, accepted_f):
+        offered = SimpleNamespace(req_ids=["g", "f"], draft_token_ids=[list(range(6)), list(range(6))])
+        sched.update_draft_token_ids(offered)
+        kept = dict(zip(offered.req_ids, offered.draft_token_ids))
+        so = SimpleNamespace(scheduled_spec_decode_tokens=kept)
+        mo = SimpleNamespace(req_id_to_index={"g": 0, "f": 1},
+                             sampled_token_ids=[[0] * (accepted_g + 1), [0] * (accepted_f + 1)])
+        sched.update_from_output(so, mo)
+        return len(kept["g"]), len(kept["f"])
+
+    assert step(2, 2) == (2, 2)  # both accept their full K = 2; only "g" grows
+    assert step(4, 2) == (4, 2)
+    assert step(1, 2) == (5, 2)  # 4 + 2 capped at the top 5; "g" rejects at its 2nd draft
+    assert step(0, 0) == (2, 2)  # back to the admitted K

@@ -338,3 +338,19 @@ def test_policy_cap_table_uses_the_pools_configured_priors():
     without = k_cap_table("eagle", 3, None, priors=draft.prior_alpha)
     assert k_cap_for_batch(1, without) >= 2 and k_cap_for_batch(2, without) > 0
     assert router._cap_table("smollm2-135m", "ngram")[0] == (1, 6)
+
+
+def test_a_policy_k_grows_in_the_engine_an_explicit_one_only_when_asked():
+    router, handles = make_router(lambda: FakeCall([FINAL]))
+    pool = router.config.pools["ngram"]
+    assert (pool.k_grow_step, pool.k_grow_max) == (2, 5)  # the embedded default grows a policy K
+    body = {"messages": [{"role": "user", "content": "Summarize: the cat sat on the mat. The cat sat."}], "max_tokens": 4}
+    router._cap_table = lambda model, pool, max_age_s=1.0: [(1, 3)]
+    _, d, req = router.plan(_req(body))
+    assert d.decided_by == "policy" and 1 <= d.k < 5 and req.k_grow == (2, 5)
+    _, d, req = router.plan(_req(BODY))  # the caller named K = 2: it stays 2
+    assert (d.k, req.k_grow) == (2, None)
+    grow = {**BODY, "specserve": {"speculative": {"mode": "ngram", "k": 2, "k_grow": 1}}}
+    assert router.plan(_req(grow))[2].k_grow == (1, 5)
+    off = {**body, "specserve": {"speculative": {"mode": "ngram", "k": 3, "k_grow": 0}}}
+    assert router.plan(_req(off))[2].k_grow is None

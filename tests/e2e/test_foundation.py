@@ -115,3 +115,28 @@ def test_per_request_k_is_applied_inside_one_engine_concurrently(cluster):
     assert min(s["drafted"] for s in by_k[6]) > max(s["drafted"] for s in by_k[1])
     assert max(s["steps"] for s in by_k[6]) < min(s["steps"] for s in by_k[0])
     assert max(s["drafted"] / s["spec_steps"] for s in by_k[1]) <= 1.0
+
+
+def test_k_grows_within_a_request_while_its_drafts_are_accepted(cluster):
+    """`speculative.k_grow`: the engine's scheduler raises a request's K after each fully accepted
+    step (here from 1 by 2, up to the pool's k_grow_max) and drops it back after a rejection. On a
+    copy the grown K drafts positions a fixed K = 1 never does, in fewer steps, same greedy text."""
+    text = ("Copy this list exactly, twice: alpha, bravo, charlie, delta, echo, foxtrot, golf, hotel, "
+            "india, juliet, kilo, lima, mike, november.")
+    top = next(p for p in httpx.get(f"{cluster.http_url}/v1/models", timeout=30).json()["data"][0]["specserve"]["pools"]
+               if p["method"] == "ngram")["max_k"]
+
+    async def run():
+        async with httpx.AsyncClient() as client:
+            return await asyncio.gather(*[chat(client, cluster.http_url, text, 64, spec) for spec in (
+                {"mode": "none"}, {"mode": "ngram", "k": 1}, {"mode": "ngram", "k": 1, "k_grow": 2},
+                {"mode": "ngram", "k": 1, "k_grow": 0})])
+
+    plain, fixed, grown, off = (r["specserve"] for r in asyncio.run(run()))
+    assert fixed["token_ids"] == grown["token_ids"] == off["token_ids"] == plain["token_ids"], "greedy text changed"
+    assert grown["k"] == 1  # the admitted K is what the response reports
+    assert all(n == 0 for n in fixed["drafted_per_position"][1:]) and all(n == 0 for n in off["drafted_per_position"][1:])
+    pos = grown["drafted_per_position"]
+    assert len(pos) > 1 and pos[1] > 0, grown  # steps drafted past K = 1: the K grew
+    assert len(pos) <= top and pos[2] > 0, grown  # 1 -> 3 -> 5 on a copy
+    assert grown["accepted"] > fixed["accepted"] and grown["steps"] < fixed["steps"], (grown, fixed)

@@ -10,6 +10,7 @@ with `ok=False` and its HTTP status; it is never retried (it counts against good
 from __future__ import annotations
 
 import asyncio
+import re
 import random
 import time
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ class Runner:
 
     def _request_id(self, job: Job) -> str:
         self._n += 1
-        cfg = job.config.name.replace(":", "-")
+        cfg = re.sub(r"[^A-Za-z0-9._-]", "-", job.config.name)  # request ids allow [A-Za-z0-9._:-] only
         return f"bench-{job.phase}-{cfg}-{job.prompt.question_id}-{self._n}"
 
     async def one(self, job: Job) -> Sample:

@@ -174,3 +174,16 @@ def test_parse_lines_first_turn_and_errors():
             parse_lines([bad], "f.jsonl")
     with pytest.raises(WorkloadError):
         parse_lines([])
+
+
+def test_every_config_name_makes_a_request_id_the_api_accepts():
+    """r18 lost its `ngram:3+2` rows: the bench put the config name, `+` and all, in the request id."""
+    from cluster.api import GenerateRequest
+    from cluster.bench.runner import Job, Runner
+    from cluster.bench.workload import Prompt
+
+    runner = Runner(None, model=None, max_tokens=4)
+    prompt = Prompt("heldout-1", "qa", "qa", "hi")
+    for cfg in P.parse_configs("none,ngram:3,ngram:3+2,draft_model:2,auto", P.mode_max_k(POOLS)):
+        rid = runner._request_id(Job("compare", cfg, prompt))
+        assert GenerateRequest(prompt="x", request_id=rid).request_id == rid

@@ -12,7 +12,7 @@ to every step taken at that K. So this answers "how much could a K policy win he
 47-minute run is spent on it (BENCHMARKS.md 2.0m).
 
     python -m cluster.bench.k_replay SAMPLES.json [--config cluster/configs/local-cpu.yaml]
-        [--prompts cluster/data/specbench-heldout.jsonl] [--ngram MIN,MAX]
+        [--prompts cluster/data/specbench-heldout.jsonl] [--ngram MIN,MAX] [--price k|drafts]
 """
 
 from __future__ import annotations
@@ -190,8 +190,19 @@ def step_time_by_drafts(samples: Iterable, cases: Sequence["Case"], propose: Pro
     return {d: round(float(v / t[0]), 6) for d, v in t.items()} if t.get(0, 0) > 0 else {}
 
 
-def steps_cost(steps: Sequence[Step], costs: dict[int, float]) -> float:
-    """Time of `steps` in plain steps: each step costs its K's measured step time."""
+def steps_cost(steps: Sequence[Step], costs: dict[int, float], by_drafts: Optional[dict[int, float]] = None) -> float:
+    """Time of `steps` in plain steps: each step costs its K's measured step time, or, with
+    `by_drafts` (`step_time_by_drafts`), the time of a step that drafted as many tokens as it did
+    (a grown K's steps draft more than the static K's average step; counts beyond the table cost
+    its largest).
+
+    >>> st = [Step(4, 4, 4), Step(4, 0, 0)]
+    >>> steps_cost(st, {4: 1.05}), steps_cost(st, {4: 1.05}, {0: 1.0, 2: 1.1, 4: 1.2})
+    (2.1, 2.2)
+    """
+    if by_drafts:
+        top = max(by_drafts)
+        return sum(by_drafts.get(s.drafted, by_drafts[top] if s.drafted > top else costs[s.k]) for s in steps)
     return sum(costs[s.k] for s in steps)
 
 
@@ -218,14 +229,17 @@ def cases_from(samples: Iterable, prompts_file: Path, tokenizer, phase: str = "c
 
 
 def analyse(cases: Sequence[Case], costs: dict[int, float], propose: Propose, policies: Sequence = (),
-            chosen: Optional[dict[str, list[int]]] = None) -> dict:
+            chosen: Optional[dict[str, list[int]]] = None, growth: Optional[tuple[int, int]] = None,
+            by_drafts: Optional[dict[int, float]] = None) -> dict:
     """Tokens per step and throughput (tokens per plain-step time) of every static K, the per-task and
-    per-prompt best K with hindsight, `policies`, and the K `auto` chose (`chosen`: prompt -> Ks)."""
+    per-prompt best K with hindsight, `policies`, and the K `auto` chose (`chosen`: prompt -> Ks),
+    also grown within each request by the engine's rule `growth` (step, top) when given. Steps are
+    priced by their K, or by their drafts with `by_drafts` (see `steps_cost`)."""
     ks = sorted(k for k in costs if k > 0)
     tokens = {c.prompt_id: len(c.output_ids) - 1 for c in cases}
     static = {c.prompt_id: {k: replay(c.prompt_ids, c.output_ids, StaticK(k), propose) for k in [0] + ks}
               for c in cases}
-    time = {p: {k: steps_cost(st, costs) for k, st in by_k.items()} for p, by_k in static.items()}
+    time = {p: {k: steps_cost(st, costs, by_drafts) for k, st in by_k.items()} for p, by_k in static.items()}
 
     def rate(pick: Callable[[str], float]) -> float:
         return sum(tokens.values()) / sum(pick(p) for p in tokens)
@@ -249,7 +263,7 @@ def analyse(cases: Sequence[Case], costs: dict[int, float], propose: Propose, po
     result["task_k"] = task_k
     for pol in policies:
         steps = {c.prompt_id: replay(c.prompt_ids, c.output_ids, pol, propose) for c in cases}
-        result["ceilings"][pol.name] = rate(lambda p: steps_cost(steps[p], costs)) / top
+        result["ceilings"][pol.name] = rate(lambda p: steps_cost(steps[p], costs, by_drafts)) / top
     if chosen:
         picked = {p: ks_ for p, ks_ in chosen.items() if p in time and all(k in time[p] for k in ks_)}
         if picked:
@@ -258,6 +272,15 @@ def analyse(cases: Sequence[Case], costs: dict[int, float], propose: Propose, po
             best_rate = (sum(len(picked[p]) * tokens[p] for p in picked)
                          / sum(len(picked[p]) * time[p][best] for p in picked))
             result["ceilings"]["auto's chosen K, replayed"] = ratio / best_rate
+            if growth is not None:
+                by_case = {c.prompt_id: c for c in cases}
+                step, top_k = growth
+                grown = sum(steps_cost(replay(by_case[p].prompt_ids, by_case[p].output_ids,
+                                              GrowOnFullAccept(k, max(top_k, k), step) if 0 < k < top_k else StaticK(k),
+                                              propose), costs, by_drafts)
+                            for p in picked for k in picked[p])
+                result["ceilings"][f"auto's chosen K, grown +{step} to {top_k}"] = (
+                    sum(len(picked[p]) * tokens[p] for p in picked) / grown / best_rate)
     return result
 
 
@@ -293,23 +316,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the config's model)")
     ap.add_argument("--ngram", default=None,
                     help="prompt_lookup_min,max of the replay (default: the config's n-gram pool's)")
+    ap.add_argument("--price", choices=("k", "drafts"), default="k",
+                    help="price a step by its K's measured step time (default) or by its drafts' (step_time_by_drafts)")
     args = ap.parse_args(argv)
     meta, samples = load_samples(Path(args.samples))
     costs = step_cost_by_k(samples, range(1, 9))
     if len(costs) < 2:
         print("no paired none / ngram:K one-stream samples to price a step", file=sys.stderr)
         return 2
-    if args.ngram:
-        min_n, max_n = (int(x) for x in args.ngram.split(","))
-    else:
-        from cluster.config import load_config
+    from cluster.config import load_config
 
-        pool = next(p for p in load_config(args.config).pools.values() if p.method == SpecMode.NGRAM)
-        min_n, max_n = pool.ngram_min, pool.ngram_max
+    pool = next(p for p in load_config(args.config).pools.values() if p.method == SpecMode.NGRAM)
+    min_n, max_n = (int(x) for x in args.ngram.split(",")) if args.ngram else (pool.ngram_min, pool.ngram_max)
+    growth = (pool.k_grow_step, min(pool.k_grow_max or pool.max_k, max(costs))) if pool.k_grow_step else None
     tok = _tokenizer(args.config, meta["model"], args.tokenizer)
     cases = cases_from(samples, Path(args.prompts or meta["prompts_file"]), tok)
     propose = ngram_proposer(min_n, max_n)
-    r = analyse(cases, costs, propose, grow_policies(costs), auto_choices(samples))
+    by_drafts = step_time_by_drafts(samples, cases, propose)
+    r = analyse(cases, costs, propose, grow_policies(costs), auto_choices(samples), growth,
+                by_drafts if args.price == "drafts" else None)
     measured = {}
     for k in r["static"]:
         runs = [(len(x.token_ids) - 1, x.spec["steps"]) for x in _greedy(samples, 1, "compare")
@@ -326,10 +351,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for t, row in r["by_task"].items():
         m = max(row.values())
         print(t + "\t" + "\t".join(f"{v / m:.3f}" for v in row.values()))
-    by_drafts = step_time_by_drafts(samples, cases, propose)
     print("\nstep time by drafts in the step (x a plain step; least squares over the requests): "
           + " ".join(f"{d}:{v:.3f}" for d, v in by_drafts.items()))
-    print(f"\nvs best static (K = {best}):")
+    print(f"\nvs best static (K = {best}; steps priced by {'their drafts' if args.price == 'drafts' else 'their K'}):")
     for name, v in r["ceilings"].items():
         print(f"  {name:36s} {v:.4f}")
     return 0

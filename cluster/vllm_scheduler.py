@@ -9,7 +9,8 @@ meets a load spike stops paying for speculation, and
 1. trims the drafts the proposer returned for the request to that K before they are scheduled
    for verification (`update_draft_token_ids`, the synchronous-scheduling path), and
 2. tells the proposer to draft only as many tokens as the largest K in the running batch
-   (`SchedulerOutput.num_spec_tokens_to_schedule`), so K = 0 batches do no drafting work.
+   (`SchedulerOutput.num_spec_tokens_to_schedule`), so K = 0 batches do no drafting work (for a
+   growing request, the K it may have when those drafts are verified: see `schedule`).
 
 A request may also carry a growth rule [step, top] (`EXTRA_ARGS_K_GROW`, set by the router when
 the policy chose its K and the pool enables it): after a step that drafted and accepted its full K,
@@ -157,11 +158,16 @@ def _make_scheduler_cls():
             table = extra.get("k_cap_by_batch") or None
             self.k_cap_table = sorted((int(a), int(b)) for a, b in table) if table else None
 
-        def _k_for(self, request, batch_size: int) -> int:
+        def _k_for(self, request, batch_size: int, ahead: bool = False) -> int:
+            """The request's K this step; `ahead`: the largest it may have once the step in flight
+            is judged (its state + step, when it grows), which is what the proposer must draft."""
             extra = request.sampling_params.extra_args if request.sampling_params is not None else None
             k_req = requested_k(extra, self.num_spec_tokens)
             table = cap_table_from(extra) or self.k_cap_table
             k_state = getattr(request, _K_STATE, None)
+            growth = growth_from(extra) if ahead else None
+            if growth is not None and k_req > 0:
+                k_state = min(max(k_state or k_req, k_req) + growth[0], growth[1])
             if k_state is None:
                 return effective_k(k_req, self.num_spec_tokens, batch_size, table)
             return grown_effective_k(k_state, k_req, self.num_spec_tokens, batch_size, table)
@@ -206,8 +212,12 @@ def _make_scheduler_cls():
         def schedule(self, *args, **kwargs):
             output = super().schedule(*args, **kwargs)
             if self.num_spec_tokens and self.running:
+                # The drafts proposed in this step are verified in the next one, after this step's
+                # outcome has moved a growing request's K: draft for the K it may then have (the first
+                # A/B, BENCHMARKS 2.0o: drafting for the current K made each grown step verify the
+                # old K's drafts, which read as a short match and reset the K, so nothing grew).
                 batch_size = len(self.running)
-                k_batch = max(self._k_for(r, batch_size) for r in self.running)
+                k_batch = max(self._k_for(r, batch_size, ahead=True) for r in self.running)
                 output.num_spec_tokens_to_schedule = min(output.num_spec_tokens_to_schedule, k_batch)
             return output
 

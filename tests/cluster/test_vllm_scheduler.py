@@ -132,6 +132,7 @@ def test_scheduler_trims_to_the_grown_k_step_by_step(monkeypatch):
 
     monkeypatch.setattr(Scheduler, "update_draft_token_ids", lambda self, d: None)
     monkeypatch.setattr(Scheduler, "update_from_output", lambda self, so, mo: {})
+    monkeypatch.setattr(Scheduler, "schedule", lambda self, *a, **kw: SimpleNamespace(num_spec_tokens_to_schedule=6))
     cls = vllm_scheduler.PerRequestKScheduler
     sched = cls.__new__(cls)
     grow = _Req({"specserve_k": 2, "specserve_k_grow": [2, 5]})
@@ -139,7 +140,10 @@ def test_scheduler_trims_to_the_grown_k_step_by_step(monkeypatch):
     sched.requests, sched.running, sched.num_spec_tokens, sched.k_cap_table = {"g": grow, "f": fixed}, [grow, fixed], 6, None
 
     def step(accepted_g, accepted_f):
-        offered = SimpleNamespace(req_ids=["g", "f"], draft_token_ids=[list(range(6)), list(range(6))])
+        # As in vLLM: schedule, run (the proposer drafts what schedule asked for, for the next
+        # step), judge the step, then hand the drafts over to be trimmed and verified next step.
+        n = sched.schedule().num_spec_tokens_to_schedule
+        offered = SimpleNamespace(req_ids=["g", "f"], draft_token_ids=[list(range(n)), list(range(n))])
         sched.update_draft_token_ids(offered)
         kept = dict(zip(offered.req_ids, offered.draft_token_ids))
         so = SimpleNamespace(scheduled_spec_decode_tokens=kept)
@@ -149,6 +153,39 @@ def test_scheduler_trims_to_the_grown_k_step_by_step(monkeypatch):
         return len(kept["g"]), len(kept["f"])
 
     assert step(2, 2) == (2, 2)  # both accept their full K = 2; only "g" grows
+    assert sched.schedule().num_spec_tokens_to_schedule == 5  # "g" may be at 4 + 2 -> top 5 next
     assert step(4, 2) == (4, 2)
     assert step(1, 2) == (5, 2)  # 4 + 2 capped at the top 5; "g" rejects at its 2nd draft
     assert step(0, 0) == (2, 2)  # back to the admitted K
+    assert sched.schedule().num_spec_tokens_to_schedule == 4  # drafts for "g" at 2 + 2
+
+
+def test_the_proposer_drafts_for_the_k_a_growing_request_may_have_next(monkeypatch):
+    """The order of a vLLM step: drafts proposed during step t (as many as `schedule` asked for at
+    t) are verified at t + 1, after t's outcome moved the K. Drafting only for the K before that
+    outcome gave every grown step the old K's drafts, read as a short match: nothing grew (the
+    first A/B). Here the proposer drafts exactly `num_spec_tokens_to_schedule` and K still grows."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from cluster import vllm_scheduler
+
+    monkeypatch.setattr(Scheduler, "update_draft_token_ids", lambda self, d: None)
+    monkeypatch.setattr(Scheduler, "update_from_output", lambda self, so, mo: {})
+    monkeypatch.setattr(Scheduler, "schedule", lambda self, *a, **kw: SimpleNamespace(num_spec_tokens_to_schedule=6))
+    cls = vllm_scheduler.PerRequestKScheduler
+    sched = cls.__new__(cls)
+    req = _Req({"specserve_k": 1, "specserve_k_grow": [2, 5]})
+    sched.requests, sched.running, sched.num_spec_tokens, sched.k_cap_table = {"g": req}, [req], 6, None
+    verified, pending = [], None
+    for _ in range(5):  # a long copy: every draft is accepted
+        n = sched.schedule().num_spec_tokens_to_schedule
+        if pending is not None:  # step t verifies the drafts kept after t - 1
+            verified.append(len(pending))
+            sched.update_from_output(SimpleNamespace(scheduled_spec_decode_tokens={"g": pending}),
+                                     SimpleNamespace(req_id_to_index={"g": 0}, sampled_token_ids=[[0] * (len(pending) + 1)]))
+        offered = SimpleNamespace(req_ids=["g"], draft_token_ids=[list(range(n))])
+        sched.update_draft_token_ids(offered)
+        pending = offered.draft_token_ids[0]
+    assert verified == [1, 3, 5, 5]

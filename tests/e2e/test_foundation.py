@@ -121,8 +121,8 @@ def test_k_grows_within_a_request_while_its_drafts_are_accepted(cluster):
     """`speculative.k_grow`: the engine's scheduler raises a request's K after each fully accepted
     step (here from 1 by 2, up to the pool's k_grow_max) and drops it back after a rejection. On a
     copy the grown K drafts positions a fixed K = 1 never does, in fewer steps, same greedy text."""
-    text = ("Copy this list exactly, twice: alpha, bravo, charlie, delta, echo, foxtrot, golf, hotel, "
-            "india, juliet, kilo, lima, mike, november.")
+    text = ("Repeat the following paragraph word for word: The quick brown fox jumps over the lazy dog. "
+            "A journey of a thousand miles begins with a single step. All that glitters is not gold.")
     top = next(p for p in httpx.get(f"{cluster.http_url}/v1/models", timeout=30).json()["data"][0]["specserve"]["pools"]
                if p["method"] == "ngram")["max_k"]
 
@@ -139,4 +139,5 @@ def test_k_grows_within_a_request_while_its_drafts_are_accepted(cluster):
     pos = grown["drafted_per_position"]
     assert len(pos) > 1 and pos[1] > 0, grown  # steps drafted past K = 1: the K grew
     assert len(pos) <= top and pos[2] > 0, grown  # 1 -> 3 -> 5 on a copy
-    assert grown["accepted"] > fixed["accepted"] and grown["steps"] < fixed["steps"], (grown, fixed)
+    # Fewer steps by a margin a K stuck at 1 cannot reach (the first A/B's fault: growth undone each step).
+    assert grown["accepted"] > fixed["accepted"] and grown["steps"] < 0.8 * fixed["steps"], (grown, fixed)

@@ -120,10 +120,9 @@ class _Req:
         self.sampling_params = SimpleNamespace(extra_args=extra)
 
 
-def test_scheduler_trims_to_the_grown_k_step_by_step(monkeypatch):
-    """The wiring: drafts are trimmed to the request's current K, and the K state follows what vLLM
-    scheduled and sampled in each step (vLLM's own bookkeeping is stubbed out here; the real engine
-    runs it in tests/e2e/test_foundation.py)."""
+def _scheduler(monkeypatch, requests: dict):
+    """The engine's scheduler over `requests` (all running, K_max 6) with vLLM's own scheduling and
+    bookkeeping stubbed out: what is left is specserve's wiring around them."""
     from types import SimpleNamespace
 
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -135,9 +134,18 @@ def test_scheduler_trims_to_the_grown_k_step_by_step(monkeypatch):
     monkeypatch.setattr(Scheduler, "schedule", lambda self, *a, **kw: SimpleNamespace(num_spec_tokens_to_schedule=6))
     cls = vllm_scheduler.PerRequestKScheduler
     sched = cls.__new__(cls)
-    grow = _Req({"specserve_k": 2, "specserve_k_grow": [2, 5]})
-    fixed = _Req({"specserve_k": 2})
-    sched.requests, sched.running, sched.num_spec_tokens, sched.k_cap_table = {"g": grow, "f": fixed}, [grow, fixed], 6, None
+    sched.requests, sched.running, sched.num_spec_tokens, sched.k_cap_table = requests, list(requests.values()), 6, None
+    return sched
+
+
+def test_scheduler_trims_to_the_grown_k_step_by_step(monkeypatch):
+    """The wiring: drafts are trimmed to the request's current K, and the K state follows what vLLM
+    scheduled and sampled in each step (vLLM's own bookkeeping is stubbed out here; the real engine
+    runs it in tests/e2e/test_foundation.py)."""
+    from types import SimpleNamespace
+
+    sched = _scheduler(monkeypatch, {"g": _Req({"specserve_k": 2, "specserve_k_grow": [2, 5]}),
+                                     "f": _Req({"specserve_k": 2})})
 
     def step(accepted_g, accepted_f):
         # As in vLLM: schedule, run (the proposer drafts what schedule asked for, for the next
@@ -167,17 +175,7 @@ def test_the_proposer_drafts_for_the_k_a_growing_request_may_have_next(monkeypat
     first A/B). Here the proposer drafts exactly `num_spec_tokens_to_schedule` and K still grows."""
     from types import SimpleNamespace
 
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    from cluster import vllm_scheduler
-
-    monkeypatch.setattr(Scheduler, "update_draft_token_ids", lambda self, d: None)
-    monkeypatch.setattr(Scheduler, "update_from_output", lambda self, so, mo: {})
-    monkeypatch.setattr(Scheduler, "schedule", lambda self, *a, **kw: SimpleNamespace(num_spec_tokens_to_schedule=6))
-    cls = vllm_scheduler.PerRequestKScheduler
-    sched = cls.__new__(cls)
-    req = _Req({"specserve_k": 1, "specserve_k_grow": [2, 5]})
-    sched.requests, sched.running, sched.num_spec_tokens, sched.k_cap_table = {"g": req}, [req], 6, None
+    sched = _scheduler(monkeypatch, {"g": _Req({"specserve_k": 1, "specserve_k_grow": [2, 5]})})
     verified, pending = [], None
     for _ in range(5):  # a long copy: every draft is accepted
         n = sched.schedule().num_spec_tokens_to_schedule

@@ -148,7 +148,8 @@ class PoolConfig(_Strict):
         ),
     )
     k_grow_max: Optional[int] = Field(
-        None, ge=1, le=16, description="The largest K growth reaches (at most max_k; unset: max_k)."
+        None, ge=1, le=16,
+        description="The largest K growth reaches (bounded by max_k, so lowering max_k needs no edit here; unset: max_k).",
     )
     ngram_min: int = Field(2, ge=1, description="n-gram method: shortest prompt match.")
     ngram_max: int = Field(5, ge=1, description="n-gram method: longest prompt match.")
@@ -250,8 +251,6 @@ class PoolConfig(_Strict):
         if self.k_grow_step and self.method in (SpecMode.NONE, SpecMode.REMOTE_DRAFT):
             raise ValueError(f"k_grow_step: method {self.method.value!r} cannot grow K "
                              "(none drafts nothing; remote_draft's drafter drafts the K it was asked)")
-        if self.k_grow_max is not None and self.k_grow_max > self.max_k:
-            raise ValueError(f"k_grow_max ({self.k_grow_max}) must be <= max_k ({self.max_k})")
         return self
 
     @property

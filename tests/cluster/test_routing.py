@@ -161,7 +161,9 @@ def _pool(**kw):
      ({}, 3, "request", 1, (1, 6)),  # the caller's k_grow wins either way
      ({"k_grow_step": 2}, 3, "policy", 0, None),
      ({"k_grow_step": 2, "k_grow_max": 5}, 5, "policy", None, None),  # already at the top
-     ({"k_grow_step": 2}, 0, "policy", 2, None)],  # plain decoding
+     ({"k_grow_step": 2}, 0, "policy", 2, None),  # plain decoding
+     ({"k_grow_step": 2, "k_grow_max": 5, "max_k": 4}, 2, "policy", None, (2, 4)),  # max_k lowered: it bounds
+     ({"k_grow_step": 2, "k_grow_max": 5, "max_k": 2}, 2, "policy", None, None)],  # ... down to no growth
 )
 def test_growth_rule(pool_kw, k, by, k_grow, want):
     from cluster.routing import Decision, growth_rule
@@ -185,7 +187,6 @@ def test_growth_rule_refuses_a_remote_drafter_and_names_the_field():
 @pytest.mark.parametrize("kw, message", [
     ({"method": "none", "max_k": 0, "k_grow_step": 2}, "cannot grow K"),
     ({"method": "remote_draft", "max_k": 4, "remote_drafter": "d", "k_grow_step": 1}, "cannot grow K"),
-    ({"method": "ngram", "max_k": 4, "k_grow_step": 1, "k_grow_max": 5}, "k_grow_max"),
     ({"method": "ngram", "max_k": 4, "k_grow_step": 17}, "k_grow_step"),
 ])
 def test_pool_growth_config_is_validated(kw, message):

@@ -27,6 +27,7 @@ def start_cluster(config_path: str, wait_s: float = 900.0):
     """Start Redis (if local), Ray and the Serve application; return (config, redis handle)."""
     import ray
     from ray import serve
+    from ray.serve import api as serve_api
     from ray.serve.config import gRPCOptions, HTTPOptions
 
     from cluster.config import load_config
@@ -40,39 +41,47 @@ def start_cluster(config_path: str, wait_s: float = 900.0):
     paths = prepare_all(config)  # 2. model files, once (cached)
     print(f"[specserve] models ready in {time.monotonic() - t0:.1f} s: {paths}")
     redis_handle = _start_redis(config)  # 3. tuning state
-    # 4. Ray: join a cluster or start a local one
-    local = not config.ray.address
-    ray.init(address=config.ray.address, num_cpus=config.ray.num_cpus if local else None,
-             include_dashboard=False, logging_level=logging.WARNING,
-             **({"_metrics_export_port": config.ray.metrics_export_port} if local and config.ray.metrics_export_port else {}),
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
-    tls = config.api.tls
-    http_tls = {}
-    if tls.enabled:
-        from cluster.tls import http_tls_options
-
-        http_tls = http_tls_options(tls.certfile, tls.keyfile)  # fails here on a bad certificate or key
-    grpc = None
-    if config.api.grpc_port:
-        reflection = not config.auth.enabled or config.auth.allow_unauthenticated_reflection
-        grpc = gRPCOptions(port=config.api.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS,
-                           enable_reflection=reflection)
-    serve.start(http_options=HTTPOptions(host=config.api.host, port=config.api.http_port, **http_tls),
-                grpc_options=grpc)
     forwarder = None
-    if grpc is not None and tls.enabled:  # Ray's gRPC proxy has no TLS: a TLS listener in front of it
-        from cluster.tls import GrpcTlsForwarder, grpc_server_credentials
+    try:
+        # 4. Ray: join a cluster or start a local one
+        local = not config.ray.address
+        ray.init(address=config.ray.address, num_cpus=config.ray.num_cpus if local else None,
+                 include_dashboard=False, logging_level=logging.WARNING,
+                 **({"_metrics_export_port": config.ray.metrics_export_port} if local and config.ray.metrics_export_port else {}),
+                 runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
+        tls = config.api.tls
+        http_tls = {}
+        if tls.enabled:
+            from cluster.tls import http_tls_options
 
-        forwarder = GrpcTlsForwarder(f"{config.api.host}:{tls.grpc_tls_port}", f"127.0.0.1:{config.api.grpc_port}",
-                                     grpc_server_credentials(tls.certfile, tls.keyfile, tls.client_ca_file)).start()
-    print("[specserve] deploying (engine start-up takes about a minute per engine on a small CPU)...")
-    t0 = time.monotonic()
-    serve.run(build_app({"config_path": config_path}), name=config.name, route_prefix="/", blocking=False)
-    _wait_ready(config, wait_s)
-    scheme = "https" if tls.enabled else "http"
-    grpc_at = f"{config.api.host}:{tls.grpc_tls_port} (TLS)" if forwarder else f"{config.api.host}:{config.api.grpc_port}"
-    print(f"[specserve] serving in {time.monotonic() - t0:.0f} s: HTTP {scheme}://{config.api.host}:{config.api.http_port}"
-          + (f"  gRPC {grpc_at}" if config.api.grpc_port else ""))
+            http_tls = http_tls_options(tls.certfile, tls.keyfile)  # fails here on a bad certificate or key
+        grpc = None
+        if config.api.grpc_port:
+            reflection = not config.auth.enabled or config.auth.allow_unauthenticated_reflection
+            grpc = gRPCOptions(port=config.api.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS,
+                               enable_reflection=reflection)
+        serve.start(http_options=HTTPOptions(host=config.api.host, port=config.api.http_port, **http_tls),
+                    grpc_options=grpc)
+        if grpc is not None and tls.enabled:  # Ray's gRPC proxy has no TLS: a TLS listener in front of it
+            from cluster.tls import GrpcTlsForwarder, grpc_server_credentials
+
+            forwarder = GrpcTlsForwarder(f"{config.api.host}:{tls.grpc_tls_port}", f"127.0.0.1:{config.api.grpc_port}",
+                                         grpc_server_credentials(tls.certfile, tls.keyfile, tls.client_ca_file)).start()
+        print("[specserve] deploying (engine start-up takes about a minute per engine on a small CPU)...")
+        t0 = time.monotonic()
+        # serve.run waits for the application without a bound; its non-waiting form returns once
+        # the deployments are submitted, and _wait_ready bounds start-up by --wait-s (a start-up
+        # that overruns is stopped below, engines included). Private in Ray 2.60 (pinned).
+        serve_api._run(build_app({"config_path": config_path}), _blocking=False, name=config.name, route_prefix="/")
+        _wait_ready(config, wait_s)
+        scheme = "https" if tls.enabled else "http"
+        grpc_at = f"{config.api.host}:{tls.grpc_tls_port} (TLS)" if forwarder else f"{config.api.host}:{config.api.grpc_port}"
+        print(f"[specserve] serving in {time.monotonic() - t0:.0f} s: HTTP {scheme}://{config.api.host}:{config.api.http_port}"
+              + (f"  gRPC {grpc_at}" if config.api.grpc_port else ""))
+    except BaseException:  # a failed or interrupted start-up stops what it started
+        print("[specserve] start-up did not finish: stopping what was started", file=sys.stderr)
+        stop_cluster(redis_handle, forwarder)
+        raise
     return config, redis_handle, forwarder
 
 
@@ -110,7 +119,8 @@ def stop_cluster(redis_handle=None, forwarder=None) -> None:
     try:
         if forwarder is not None:
             forwarder.stop()
-        serve.shutdown()
+        if ray.is_initialized():
+            serve.shutdown()
     finally:
         ray.shutdown()
         if redis_handle is not None:
@@ -118,23 +128,37 @@ def stop_cluster(redis_handle=None, forwarder=None) -> None:
 
 
 def cmd_up(args) -> int:
+    from cluster import reaper
     from cluster.config import ConfigError
     from cluster.tls import TlsConfigError
 
+    reaper.become_subreaper()  # an engine its Ray worker orphans is re-parented here, not to init
     try:
-        _, redis_handle, forwarder = start_cluster(args.config, wait_s=args.wait_s)
-    except (ConfigError, TlsConfigError) as e:
-        print(f"specserve up: {e}", file=sys.stderr)
-        return 2
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs handlers of its own
-        signal.signal(sig, lambda *_: stop.set())
-    print("[specserve] press Ctrl-C to stop")
-    while not stop.wait(1.0):
-        pass
-    print("[specserve] stopping")
-    stop_cluster(redis_handle, forwarder)
-    return 0
+        try:
+            _, redis_handle, forwarder = start_cluster(args.config, wait_s=args.wait_s)
+        except (ConfigError, TlsConfigError) as e:
+            print(f"specserve up: {e}", file=sys.stderr)
+            return 2
+        except (RuntimeError, TimeoutError) as e:
+            print(f"specserve up: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("specserve up: interrupted during start-up", file=sys.stderr)
+            return 130
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs handlers of its own
+            signal.signal(sig, lambda *_: stop.set())
+        print("[specserve] press Ctrl-C to stop")
+        while not stop.wait(1.0):
+            pass
+        print("[specserve] stopping")
+        stop_cluster(redis_handle, forwarder)
+        return 0
+    finally:
+        left = reaper.reap_descendants()
+        if left:
+            print(f"[specserve] stopped {len(left)} processes the shutdown left behind: {reaper.describe(left)}",
+                  file=sys.stderr)
 
 
 # -- generate / status ----------------------------------------------------------------------------

@@ -32,24 +32,29 @@ def become_subreaper() -> bool:
         return False
 
 
-def describe(procs: list[psutil.Process]) -> str:
-    """`pid name` of each process, for the message saying what was stopped."""
-    out = []
-    for p in procs:
-        try:
-            out.append(f"{p.pid} {p.name()}")
-        except psutil.Error:
-            out.append(f"{p.pid} (gone)")
-    return ", ".join(out)
+def describe(found: list[tuple[int, str]]) -> str:
+    """`pid name, ...`: the message saying what was stopped."""
+    return ", ".join(f"{pid} {name}" for pid, name in found)
 
 
-def reap_descendants(grace_s: float = 10.0, pid: int | None = None) -> list[psutil.Process]:
+def reap_descendants(grace_s: float = 10.0, pid: int | None = None) -> list[tuple[int, str]]:
     """Stop every process still under `pid` (default: this one): SIGTERM, `grace_s` to exit, then
-    SIGKILL. Returns the processes that were found (empty when the shutdown left nothing)."""
+    SIGKILL. Returns (pid, name) of the processes found (empty when the shutdown left nothing)."""
     try:
         procs = psutil.Process(pid or os.getpid()).children(recursive=True)
     except psutil.Error:
         return []
+    found, live = [], []
+    for p in procs:
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:  # exited, not yet waited for: collect it quietly
+                _collect(p)
+                continue
+            found.append((p.pid, " ".join(p.cmdline())[:80] or p.name()))
+            live.append(p)
+        except psutil.Error:
+            _collect(p)
+    procs = live
     if not procs:
         return []
     for p in procs:
@@ -58,7 +63,14 @@ def reap_descendants(grace_s: float = 10.0, pid: int | None = None) -> list[psut
     for p in alive:
         _signal(p, signal.SIGKILL)
     psutil.wait_procs(alive, timeout=5)
-    return procs
+    return found
+
+
+def _collect(p: psutil.Process) -> None:
+    try:
+        p.wait(timeout=0)  # reaps it if it is our child (an orphan re-parented to us included)
+    except (psutil.Error, ChildProcessError):
+        pass
 
 
 def _signal(p: psutil.Process, sig: int) -> None:
@@ -66,3 +78,4 @@ def _signal(p: psutil.Process, sig: int) -> None:
         p.send_signal(sig)
     except psutil.Error:
         pass
+

@@ -27,7 +27,7 @@ _SCRIPT = textwrap.dedent("""
     parent = psutil.Process(pid).ppid()
     left = reaper.reap_descendants(grace_s=1.0)
     print(json.dumps({"subreaper": subreaper, "orphan": pid, "orphan_parent": parent,
-                      "reaped": [p.pid for p in left], "alive_after": psutil.pid_exists(pid)
+                      "reaped": [pid for pid, _ in left], "alive_after": psutil.pid_exists(pid)
                       and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE}))
 """)
 
@@ -63,3 +63,4 @@ def test_nothing_left_means_nothing_reaped():
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
     assert reaper.reap_descendants(grace_s=0.1, pid=p.pid) == []  # a pid that is gone
+

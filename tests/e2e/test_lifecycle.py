@@ -140,3 +140,34 @@ def test_a_start_up_that_times_out_stops_what_it_started(tmp_path):
     assert not _redis_left(raw), "the cluster's Redis is still up"
     assert rc == 1, log[-3000:]
     assert "not running after 10 s" in log, log[-3000:]
+
+
+def _pids(tag: str, needle: str) -> list[int]:
+    return [int(line.split()[0]) for line in _tagged(tag) if needle in line]
+
+
+def test_an_engine_whose_replica_is_killed_stops_instead_of_leaking(tmp_path):
+    """A Serve replica killed outright (SIGKILL: an OOM kill, a crash) does not leak its
+    `VLLM::EngineCore` and the model's memory: the engine stops within 60 s. (Written expecting a
+    leak; it passes with no watcher of ours in the engine, so none was added. It guards the
+    behaviour against a vLLM or Ray upgrade.)"""
+    proc, log_path, tag, raw = _start(tmp_path, wait_s=600)
+    try:
+        _wait_for(log_path, "[specserve] serving in", proc, 600)
+        replicas = _pids(tag, "ServeReplica:specserve-lifecycle:engine-ngram")
+        engines = _pids(tag, "VLLM::EngineCore")
+        assert len(replicas) == 1 and len(engines) == 1, _tagged(tag)
+        assert psutil.Process(engines[0]).ppid() == replicas[0]
+        os.kill(replicas[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and psutil.pid_exists(engines[0]) \
+                and psutil.Process(engines[0]).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.5)
+        engine_gone = not psutil.pid_exists(engines[0]) or psutil.Process(engines[0]).status() == psutil.STATUS_ZOMBIE
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        rc, log, left = _finish(proc, log_path, tag)
+    assert engine_gone, f"the killed replica's engine {engines[0]} still runs 60 s later"
+    assert left == [], f"left running after `specserve up` exited: {left}\n{log[-3000:]}"
+    assert not _redis_left(raw), "the cluster's Redis is still up"

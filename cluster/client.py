@@ -47,6 +47,7 @@ class SpecInfo:
     mode: str = "none"
     k: int = 0
     decided_by: Optional[str] = None
+    explored: bool = False  # the policy's exploration draw chose mode and K (not its best estimate)
     workload_class: Optional[str] = None
     steps: int = 0
     spec_steps: int = 0
@@ -70,7 +71,7 @@ class SpecInfo:
             request_id=d.get("request_id"), pool=d.get("pool"),
             replica=None if d.get("replica") is None else str(d.get("replica")),
             mode=str(d.get("mode") or "none"), k=int(d.get("k") or 0),
-            decided_by=d.get("decided_by"), workload_class=d.get("workload_class"),
+            decided_by=d.get("decided_by"), explored=bool(d.get("explored")), workload_class=d.get("workload_class"),
             steps=int(d.get("steps") or 0), spec_steps=int(d.get("spec_steps") or 0),
             drafted=int(d.get("drafted") or 0),
             accepted=int(d.get("accepted") or 0),

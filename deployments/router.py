@@ -199,7 +199,8 @@ class Router:
                     comp.completion_tokens = chunk.completion_tokens
                     comp.latency_s = now - t0
                     comp.stats = {**(chunk.stats or {}), "pool": d.pool, "replica": chunk.replica,
-                                  "decided_by": d.decided_by, "workload_class": d.workload_class}
+                                  "decided_by": d.decided_by, "workload_class": d.workload_class,
+                                  "explored": bool(d.detail.get("explore")) if d.detail else False}
                 yield chunk, comp
             if comp.finish_reason is None:
                 raise ApiError(ErrorCode.UNAVAILABLE, "engine stream ended before the request finished",

@@ -169,6 +169,7 @@ def summarize(samples: list[Sample], slo: Slo = Slo()) -> dict[str, Any]:
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "k_distribution": dict(sorted(Counter(f"{s.spec.get('mode', '?')}:{s.spec.get('k', '?')}"
                                               for s in ok).items())),
+        "explored": sum(1 for s in ok if s.spec.get("explored")),
     }
 
 

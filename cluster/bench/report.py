@@ -339,8 +339,9 @@ def _ms(x: Optional[float]) -> str:
     return fmt(None if x is None or math.isnan(x) else x * 1000.0, 0)
 
 
-def _kdist(d: dict) -> str:
-    return " ".join(f"{k}×{v}" for k, v in d.items())
+def _kdist(d: dict, explored: int = 0) -> str:
+    """`mode:K×n ...`, and how many of those the router's exploration draw chose."""
+    return " ".join(f"{k}×{v}" for k, v in d.items()) + (f" (explored {explored})" if explored else "")
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -366,7 +367,7 @@ def render_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
                           fmt(r["speedup"]), _ms(r["ttft_s"]["p50"]), _ms(r["tpot_s"]["p50"]), _ms(r["tpot_s"]["p99"]),
                           _ms(r["latency_s"]["mean"]), _ms(r["latency_s"]["p50"]), _ms(r["latency_s"]["p90"]),
                           _ms(r["latency_s"]["p99"]), fmt(r["request_goodput_tokens_per_s"]), str(r["drafted"]),
-                          str(r["accepted"]), fmt(r["acceptance_length"]), _kdist(r["k_distribution"]),
+                          str(r["accepted"]), fmt(r["acceptance_length"]), _kdist(r["k_distribution"], r.get("explored", 0)),
                           str(r["errors"])])
         lines += _table(header, table) + [""]
         tasks = sorted({t for r in rows.values() for t in r["by_task"]})
@@ -412,7 +413,7 @@ def render_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
                 table.append([cfg, c, str(r["requests"]), fmt(tput), per_round or "-", fmt(good),
                               _ms(r["ttft_s"]["p50"]), _ms(r["ttft_s"]["p99"]), _ms(r["tpot_s"]["p50"]),
                               _ms(r["tpot_s"]["p99"]), _ms(r["itl_s"]["p99"]), _ms(r["latency_s"]["p50"]),
-                              _ms(r["latency_s"]["p99"]), fmt(r["acceptance_length"]), _kdist(r["k_distribution"]),
+                              _ms(r["latency_s"]["p99"]), fmt(r["acceptance_length"]), _kdist(r["k_distribution"], r.get("explored", 0)),
                               str(r["errors"])])
         lines += _table(header, table) + [""]
     if summary.get("router"):
@@ -424,7 +425,7 @@ def render_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         table = [[cfg, str(r["requests"]), fmt(r["throughput_tokens_per_s"]), fmt(r["goodput_tokens_per_s"]),
                   str(r["good_requests"]), _ms(r["ttft_s"]["p50"]), _ms(r["ttft_s"]["p99"]), _ms(r["tpot_s"]["p99"]),
                   _ms(r["latency_s"]["p50"]), _ms(r["latency_s"]["p99"]), fmt(r["acceptance_length"]),
-                  _kdist(r["k_distribution"]), str(r["errors"])] for cfg, r in summary["poisson"].items()]
+                  _kdist(r["k_distribution"], r.get("explored", 0)), str(r["errors"])] for cfg, r in summary["poisson"].items()]
         lines += _table(header, table) + [""]
     return "\n".join(lines) + "\n"
 

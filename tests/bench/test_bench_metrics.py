@@ -60,7 +60,8 @@ def test_slo():
 
 
 def test_summarize_hand_computed():
-    a = mk(ttft=0.5, lat=2.5, tokens=5, start=0.0, spec={"mode": "ngram", "k": 2, "steps": 3, "drafted": 6, "accepted": 2})
+    a = mk(ttft=0.5, lat=2.5, tokens=5, start=0.0, spec={"mode": "ngram", "k": 2, "steps": 3, "drafted": 6, "accepted": 2,
+                                                         "explored": True})
     b = mk(ttft=1.0, lat=3.0, tokens=3, start=1.0, spec={"mode": "ngram", "k": 2, "steps": 2, "drafted": 4, "accepted": 1})
     c = mk(ttft=0.2, lat=0.7, tokens=2, start=3.5, spec={"mode": "none", "k": 0, "steps": 2})
     bad = mk(ok=False, start=2.0, lat=0.1, tokens=0)
@@ -76,7 +77,7 @@ def test_summarize_hand_computed():
     assert r["ttft_s"]["p50"] == pytest.approx(0.5) and r["latency_s"]["p90"] == pytest.approx(2.9)
     # steps 7, accepted 3, drafted 10
     assert r["acceptance_length"] == pytest.approx(1 + 3 / 7) and r["acceptance_rate"] == pytest.approx(0.3)
-    assert r["k_distribution"] == {"ngram:2": 2, "none:0": 1}
+    assert r["k_distribution"] == {"ngram:2": 2, "none:0": 1} and r["explored"] == 1
 
 
 def test_repeat_spread_and_speedup():
@@ -165,3 +166,10 @@ def test_sample_json_roundtrip_keeps_int_token_keys():
     d = s.to_dict()
     assert d["logprobs"] == [{"5": -0.1, "6": -2.0}]
     assert Sample.from_dict(d) == s
+
+
+def test_the_k_column_counts_exploration_draws():
+    from cluster.bench.report import _kdist
+
+    assert _kdist({"ngram:5": 3, "none:0": 1}, 1) == "ngram:5×3 none:0×1 (explored 1)"
+    assert _kdist({"ngram:5": 3}) == "ngram:5×3"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 
@@ -105,6 +106,21 @@ def test_success_reports_decision_and_stats():
     req = handles["ngram"].requests[0]
     assert req.k == 2 and req.k_cap_by_batch is None  # an explicit K is not capped by load
     assert not handles["ngram"].calls[0].cancelled
+
+
+def test_the_response_says_whether_the_exploration_draw_chose_mode_and_k():
+    router, _ = make_router(lambda: FakeCall([FINAL]))
+    body = {"messages": [{"role": "user", "content": "Summarize: the cat sat on the mat."}], "max_tokens": 4}
+    assert json.loads(post(router, body).body)["specserve"]["explored"] is False  # no RNG: exploits
+    assert json.loads(post(router, BODY).body)["specserve"]["explored"] is False  # the caller's K
+    decide = router.decide
+
+    def exploring(req):
+        model, d = decide(req)
+        return model, dataclasses.replace(d, detail={**d.detail, "explore": True})
+
+    router.decide = exploring
+    assert json.loads(post(router, body).body)["specserve"]["explored"] is True
 
 
 def test_a_policy_k_is_capped_at_admission_as_the_engine_will_cap_it():
@@ -354,3 +370,14 @@ def test_a_policy_k_grows_in_the_engine_an_explicit_one_only_when_asked():
     assert router.plan(_req(grow))[2].k_grow == (1, 5)
     off = {**body, "specserve": {"speculative": {"mode": "ngram", "k": 3, "k_grow": 0}}}
     assert router.plan(_req(off))[2].k_grow is None
+
+
+def test_grpc_stats_carry_the_exploration_flag():
+    from cluster.wire import Completion, spec_stats_proto
+    from specserve.v1 import specserve_pb2 as pb
+
+    c = Completion(request_id="r", model="m", text="", token_ids=[], finish_reason="stop",
+                   stats={"mode": "ngram", "k": 4, "decided_by": "policy", "explored": True})
+    assert spec_stats_proto(pb, c).explored is True
+    c.stats["explored"] = False
+    assert spec_stats_proto(pb, c).explored is False

@@ -50,7 +50,7 @@ def test_auto_decisions_follow_the_workload_class(cluster):
             "messages": [{"role": "user", "content": text}], "max_tokens": 16})
         assert r.status_code == 200, r.text
         s = r.json()["specserve"]
-        assert s["decided_by"] == "policy"
+        assert s["decided_by"] == "policy" and isinstance(s["explored"], bool)
         assert s["workload_class"] == wclass
         seen[wclass] = s
     explicit = httpx.post(f"{url}/v1/chat/completions", timeout=300, json={

@@ -70,8 +70,10 @@ per class; at batch 16 speculation costs throughput, 63.8 vs 70.1 tok/s here), a
 from live traffic as counts outweigh the prior's pseudo-counts. Exploration: with probability ε
 (shrinking with data) every pool draws α from its Beta posterior and its run shares from their
 Dirichlet posterior, and the best sampled (pool, K) wins (Thompson sampling), so a confidently
-worse pool is almost never tried; counts are capped
-so the posterior never freezes. Hysteresis: the incumbent K of a (mode, class, bucket) is kept
+worse pool is almost never tried; the draw is bounded by its regret: only a (pool, K) whose score at
+an optimistic α (2 sigma up) comes within 5% of the exploiting choice may be drawn, so a draw never
+buys a request plain decoding (which teaches nothing about α) where speculation is known to pay;
+counts are capped so the posterior never freezes. Hysteresis: the incumbent K of a (mode, class, bucket) is kept
 unless another K beats it by a margin that shrinks with the class's data (5% cold, 2% at 5,000
 trials). Ties (within `tie_tol`) go to the cheapest proposer for K = 0, then to the less loaded
 pool, or, for pools that share hardware, to the busier one.
@@ -143,6 +145,10 @@ class PolicyParams:
     eps_max: float = 0.20  # exploration probability with no data
     eps_min: float = 0.02  # ... and with plenty
     eps_scale_trials: float = 2000.0  # ε halves (towards eps_min) after this many trials
+    # An exploration draw may only take a (pool, K) that could plausibly score within explore_regret
+    # of the exploiting choice: its score at the upper explore_z-sigma α (`explorable_ks`).
+    explore_regret: float = 0.05
+    explore_z: float = 2.0
 
 
 DEFAULT_PARAMS = PolicyParams()
@@ -762,9 +768,51 @@ def score_pool(pool, workload_class: str, view: Optional[TuningView], params: Po
                      fixed, runs, draftless, overheads)
 
 
-def _sampled(cand: Candidate, rng: random.Random, params: PolicyParams) -> tuple[float, int]:
+def beta_upper(a: float, b: float, z: float) -> float:
+    """α at z standard deviations above the mean of Beta(a, b) (normal approximation), in [0, 1].
+
+    >>> round(beta_upper(40.0, 60.0, 2.0), 3), beta_upper(1e6, 1.0, 2.0)
+    (0.497, 1.0)
+    """
+    n = a + b
+    if n <= 0:
+        return 1.0
+    mean = a / n
+    return min(max(mean + z * math.sqrt(a * b / (n * n * (n + 1.0))), 0.0), 1.0)
+
+
+def explorable_ks(cand: Candidate, floor: float, params: PolicyParams = DEFAULT_PARAMS) -> frozenset[int]:
+    """The Ks of `cand` an exploration draw may take: those whose score at the optimistic α (the
+    posterior mean + `explore_z` sigma, the measured runs at their mean) is at least `floor`, the
+    exploiting choice's score less `explore_regret`. A K that even an optimistic α prices well below
+    the best is a near-certain loss that teaches little: K = 0 (plain decoding, the same price at any
+    α) drafts nothing, so it says nothing about α, and plain step times come from the traffic that
+    chooses them. r20 lost its translation target to one such draw: a request decoded plainly (3.43 s
+    against 1.40 s at K = 3) where n-gram drafts were accepted at α = 0.66.
+
+    >>> from cluster.routing import PoolView
+    >>> pool = PoolView(name="p", model="m", method=SpecMode.NGRAM, max_k=4)
+    >>> cand = Candidate(pool, "1", 0.6, (60.0, 40.0), 1.0, 0.0, 1.0, {0: 1.0, 1: 1.6, 2: 1.96, 3: 2.18, 4: 2.31}, 4)
+    >>> sorted(explorable_ks(cand, 2.31 * 0.95))
+    [3, 4]
+    """
+    if not cand.speculative:
+        return frozenset(k for k, s in cand.scores.items() if s >= floor)
+    hi = beta_upper(*cand.alpha_beta, params.explore_z)
+    overheads = cand.overheads if len(cand.overheads) > max(cand.scores) else (0.0,) * (max(cand.scores) + 1)
+    return frozenset(k for k in cand.scores
+                     if k == 0 and cand.scores[0] >= floor
+                     or k > 0 and score_at(cand.expected(k, hi, params=params), overheads[k], cand.step_rel) >= floor)
+
+
+def _sampled(cand: Candidate, rng: random.Random, params: PolicyParams,
+             allowed: Optional[frozenset[int]] = None) -> Optional[tuple[float, int]]:
     """Thompson sampling: (score, K) of the K that is best for an α drawn from its Beta posterior
-    and run shares drawn from their Dirichlet posterior (each run length's share ~ Gamma(count))."""
+    and run shares drawn from their Dirichlet posterior (each run length's share ~ Gamma(count)),
+    among the `allowed` Ks (all when None); None when no K is allowed."""
+    allowed = frozenset(cand.scores) if allowed is None else allowed & frozenset(cand.scores)
+    if not allowed:
+        return None
     if not cand.speculative:
         return cand.scores[0], 0
     alpha = rng.betavariate(*cand.alpha_beta)
@@ -775,7 +823,7 @@ def _sampled(cand: Candidate, rng: random.Random, params: PolicyParams) -> tuple
         total = sum(draws)
         runs = tuple(d * n / total for d in draws) if total > 0 else runs
     scores = {k: score_at(cand.expected(k, alpha, runs, params), cand.overheads[k], cand.step_rel)
-              for k in cand.scores}
+              for k in cand.scores if k in allowed}
     k = best_k(scores, params.tie_tol)
     return scores[k], k
 
@@ -821,12 +869,15 @@ def choose_auto(
     del router
     rng = rng if rng is not None else (tuning.rng if tuning is not None else None)
     cands = [score_pool(p, workload_class, tuning, params) for p in pools]
-    chosen, k, _ = _pick([(c, c.k, c.scores[c.k]) for c in cands], params.tie_tol)
+    chosen, k, best = _pick([(c, c.k, c.scores[c.k]) for c in cands], params.tie_tol)
     explore = False
     if rng is not None:
         trials = sum(sum(c.alpha_beta) - params.prior_trials for c in cands if c.speculative)
         if rng.random() < exploration_rate(trials, params):
-            chosen, k, _ = _pick([(c, *reversed(_sampled(c, rng, params))) for c in cands], params.tie_tol)
+            floor = best * (1.0 - params.explore_regret)
+            draws = [(c, _sampled(c, rng, params, explorable_ks(c, floor, params))) for c in cands]
+            # The exploiting (pool, K) is always explorable, so at least one draw is there.
+            chosen, k, _ = _pick([(c, d[1], d[0]) for c, d in draws if d is not None], params.tie_tol)
             explore = True
     k = min(k, chosen.pool.max_k)
     detail = {

@@ -18,7 +18,7 @@ from cluster.config import RouterConfig
 from cluster.policy import (
     BUCKET_BATCH, BUCKET_NAMES, LOAD_BUCKETS, CellStats, PolicyParams, TuningView, alpha_posterior, best_k, choose_auto,
     class_weights, cost_per_k, draft_rate, expected_tokens, expected_tokens_per_step, exploration_rate, hysteresis_k,
-    hysteresis_margin, score_pool,
+    explorable_ks, hysteresis_margin, score_pool,
     k_cap_table, load_bucket, measured_overheads, prior_alpha, prior_cost_per_k, prior_step_cost, run_tokens_per_step,
     score, step_cost, step_overheads,
     step_time_rel, tuning_rows,
@@ -438,6 +438,48 @@ def test_uncertain_pool_is_explored_more_than_a_confidently_worse_one():
         return sum(d.pool == "draft" and d.k > 0 for d in ds) / len(ds)
 
     assert draft_share(unknown, 6) > draft_share(known_bad, 6) + 0.01
+
+
+def _explored(pools, cls, view_cells, params, n=5000, seed=1):
+    rng = random.Random(seed)
+    view = TuningView("m", cells=view_cells)
+    ds = [choose_auto(pools, ROUTER, cls, view, rng=rng, params=params) for _ in range(n)]
+    return [d for d in ds if d.detail["explore"]], [d for d in ds if not d.detail["explore"]]
+
+
+def test_exploration_never_buys_plain_decoding_where_speculation_is_expected_to_pay():
+    # A wide posterior (2 pseudo-trials) around α = 0.4: the mean says n-gram K = 2 beats plain
+    # decoding by far more than explore_regret, but Thompson draws of a low α pick the plain pool.
+    unbounded = replace(P, prior_trials=2.0, explore_regret=100.0)
+    bounded = replace(P, prior_trials=2.0)
+    pools = [ngram(prior=0.4), plain()]
+    explored, exploited = _explored(pools, "chat", {}, unbounded)
+    assert sum(d.k == 0 for d in explored) > 30  # what the bound removes (r20: heldout-46 plain, 3.43 s vs 1.40 s)
+    explored, exploited = _explored(pools, "chat", {}, bounded)
+    assert len(explored) > 500 and not [d for d in explored if d.k == 0]
+    assert {d.k for d in exploited} == {2} and len({d.k for d in explored}) >= 4  # K still explored
+
+
+def test_exploration_keeps_to_the_ks_that_could_be_within_the_regret_of_the_best():
+    # 20k trials at α = 0.6: the posterior is tight, so only the Ks whose optimistic score comes within
+    # explore_regret of the best are drawn; K = 1 (far below at batch 1) never is.
+    rng = random.Random(7)
+    cells = {("ngram", "rag", "1"): cell_from([simulate(0.6, 4, 20000, rng)])}
+    explored, exploited = _explored([ngram(), plain()], "rag", cells, P)
+    best = {d.k for d in exploited}
+    assert len(best) == 1 and explored
+    cand = score_pool(ngram(), "rag", TuningView("m", cells=cells))
+    floor = cand.scores[cand.k] * (1 - P.explore_regret)
+    allowed = explorable_ks(cand, floor)
+    assert {d.k for d in explored} <= allowed and 1 not in allowed and 0 not in allowed
+    assert cand.k in allowed
+
+
+def test_the_exploiting_choice_is_always_explorable():
+    for cls in ("chat", "code", "translation", "creative"):
+        for running in (0.0, 3.0, 15.0, 40.0):
+            for c in (score_pool(ngram(running=running), cls, None), score_pool(plain(running=running), cls, None)):
+                assert c.k in explorable_ks(c, c.scores[c.k])
 
 
 # -- the k_cap_by_batch table -----------------------------------------------------------------------

@@ -112,7 +112,36 @@ def _wait_ready(config, wait_s: float) -> None:
     raise TimeoutError(f"application {config.name} not running after {wait_s:.0f} s")
 
 
-def stop_cluster(redis_handle=None, forwarder=None) -> None:
+SERVE_SHUTDOWN_S = 60.0
+
+
+def bounded(fn, timeout_s: float, what: str) -> bool:
+    """Run `fn` in a daemon thread and wait at most `timeout_s` for it: True if it returned, False
+    (with a line on stderr) if it raised or is still running, which the caller then goes past.
+    Ray 2.60's `serve.shutdown()` can wait forever: once its controller is killed, the controller's
+    `graceful_shutdown` task is retried without end ("infinite retries remaining"), seen once in CI
+    on an interrupted start-up; `ray.shutdown()` and the reaper stop what it leaves."""
+    outcome: list[BaseException] = []
+
+    def run():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - reported, then the caller goes on stopping
+            outcome.append(e)
+
+    t = threading.Thread(target=run, daemon=True, name=what)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        print(f"[specserve] {what} did not finish in {timeout_s:.0f} s: going on with the shutdown", file=sys.stderr)
+        return False
+    if outcome:
+        print(f"[specserve] {what} failed: {outcome[0]!r}: going on with the shutdown", file=sys.stderr)
+        return False
+    return True
+
+
+def stop_cluster(redis_handle=None, forwarder=None, serve_timeout_s: float = SERVE_SHUTDOWN_S) -> None:
     import ray
     from ray import serve
 
@@ -120,7 +149,7 @@ def stop_cluster(redis_handle=None, forwarder=None) -> None:
         if forwarder is not None:
             forwarder.stop()
         if ray.is_initialized():
-            serve.shutdown()
+            bounded(serve.shutdown, serve_timeout_s, "serve.shutdown")
     finally:
         ray.shutdown()
         if redis_handle is not None:

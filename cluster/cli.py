@@ -49,6 +49,7 @@ def start_cluster(config_path: str, wait_s: float = 900.0):
                  include_dashboard=False, logging_level=logging.WARNING,
                  **({"_metrics_export_port": config.ray.metrics_export_port} if local and config.ray.metrics_export_port else {}),
                  runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
+        interrupt_on_signals()  # ray.init replaced the SIGTERM handler with its own (sys.exit)
         tls = config.api.tls
         http_tls = {}
         if tls.enabled:
@@ -79,6 +80,7 @@ def start_cluster(config_path: str, wait_s: float = 900.0):
         print(f"[specserve] serving in {time.monotonic() - t0:.0f} s: HTTP {scheme}://{config.api.host}:{config.api.http_port}"
               + (f"  gRPC {grpc_at}" if config.api.grpc_port else ""))
     except BaseException:  # a failed or interrupted start-up stops what it started
+        hold_signals_while_stopping()
         print("[specserve] start-up did not finish: stopping what was started", file=sys.stderr)
         stop_cluster(redis_handle, forwarder)
         raise
@@ -156,11 +158,38 @@ def stop_cluster(redis_handle=None, forwarder=None, serve_timeout_s: float = SER
             redis_handle.stop()
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def interrupt_on_signals() -> None:
+    """Make SIGINT and SIGTERM raise KeyboardInterrupt in the main thread, whatever their
+    disposition was. A process started from a shell script's background job (`specserve up &`
+    without job control, as CI runs its tests) inherits SIGINT *ignored*, and Python then leaves it
+    ignored: an interrupt during start-up did nothing, the cluster came up anyway (CI, session 17:
+    the lifecycle test's interrupt was acted on only once `up` had installed its serving-time
+    handler, 3 minutes later). SIGTERM is handled the same way so a start-up stopped by a process
+    manager also stops what it started (its default would kill `up` and leave Redis running)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _raise_interrupt)
+
+
+def hold_signals_while_stopping() -> None:
+    """A second Ctrl-C while stopping must not cut the stop short (and leave Redis or engines
+    running): say so and go on."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda *_: print("[specserve] already stopping", file=sys.stderr))
+
+
 def cmd_up(args) -> int:
     from cluster import reaper
     from cluster.config import ConfigError
     from cluster.tls import TlsConfigError
 
+    interrupt_on_signals()
     reaper.become_subreaper()  # an engine its Ray worker orphans is re-parented here, not to init
     try:
         try:
@@ -171,16 +200,17 @@ def cmd_up(args) -> int:
         except (RuntimeError, TimeoutError) as e:
             print(f"specserve up: {e}", file=sys.stderr)
             return 1
-        except KeyboardInterrupt:
-            print("specserve up: interrupted during start-up", file=sys.stderr)
+        except KeyboardInterrupt as e:
+            print(f"specserve up: interrupted during start-up ({e or 'SIGINT'})", file=sys.stderr)
             return 130
         stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs handlers of its own
+        for sig in STOP_SIGNALS:  # serving: a signal asks the loop below to stop
             signal.signal(sig, lambda *_: stop.set())
         print("[specserve] press Ctrl-C to stop")
         while not stop.wait(1.0):
             pass
         print("[specserve] stopping")
+        hold_signals_while_stopping()
         stop_cluster(redis_handle, forwarder)
         return 0
     finally:

@@ -32,3 +32,50 @@ def test_a_step_that_finishes_returns_true_at_once():
     t0 = time.monotonic()
     assert bounded(lambda: done.append(1), 30.0, "serve.shutdown") is True
     assert done == [1] and time.monotonic() - t0 < 5.0
+
+
+# -- signals during start-up ----------------------------------------------------------------------
+# A process started from a script's background job (no job control, as CI runs) inherits SIGINT
+# ignored; `specserve up` must still stop on it. Each case runs in a fresh interpreter started with
+# SIGINT ignored (`trap '' INT`, what the shell does for such a job).
+
+_PROBE = r"""
+import os, signal, sys, time
+from cluster.cli import hold_signals_while_stopping, interrupt_on_signals
+print("inherited", signal.getsignal(signal.SIGINT) is signal.SIG_IGN, flush=True)
+{setup}
+try:
+    os.kill(os.getpid(), signal.{sig})
+    time.sleep(2.0)
+    print("not interrupted", flush=True)
+except KeyboardInterrupt as e:
+    print("interrupted", e, flush=True)
+"""
+
+
+def _probe(setup: str, sig: str) -> str:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = _PROBE.replace("{setup}", setup).replace("{sig}", sig)
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(["sh", "-c", 'trap "" INT; exec "$0" -c "$1"', sys.executable, code],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    return out.stdout + out.stderr
+
+
+def test_an_inherited_ignored_sigint_is_ignored_without_the_handlers():
+    out = _probe("", "SIGINT")  # the case the handlers exist for: nothing happens
+    assert "inherited True" in out and "not interrupted" in out, out
+
+
+def test_sigint_and_sigterm_interrupt_start_up_even_when_sigint_was_ignored():
+    for sig in ("SIGINT", "SIGTERM"):
+        out = _probe("interrupt_on_signals()", sig)
+        assert "inherited True" in out and f"interrupted {sig}" in out, out
+
+
+def test_a_signal_while_stopping_does_not_cut_the_stop_short():
+    out = _probe("interrupt_on_signals(); hold_signals_while_stopping()", "SIGINT")
+    assert "not interrupted" in out and "[specserve] already stopping" in out, out

@@ -45,7 +45,10 @@ def _tagged(tag: str) -> list[str]:
     return found
 
 
-def _start(tmp: Path, wait_s: float) -> tuple[subprocess.Popen, Path, str, dict]:
+def _start(tmp: Path, wait_s: float, sigint_ignored: bool = False) -> tuple[subprocess.Popen, Path, str, dict]:
+    """Start `specserve up`; with `sigint_ignored`, the way a shell script's background job
+    (`specserve up &` without job control) starts it: SIGINT inherited ignored (`trap '' INT`).
+    CI runs the tests that way, and there an interrupt during start-up did nothing (session 17)."""
     raw = yaml.safe_load(LOCAL_CONFIG.read_text())
     raw["api"]["http_port"] = _free_port()
     raw["api"]["grpc_port"] = _free_port()
@@ -59,8 +62,10 @@ def _start(tmp: Path, wait_s: float) -> tuple[subprocess.Popen, Path, str, dict]
     key, value = tag.split("=")
     log_path = tmp / "up.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", "--config", str(config_path),
-                                 "--wait-s", str(wait_s)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+        cmd = [sys.executable, "-m", "cluster.cli", "up", "--config", str(config_path), "--wait-s", str(wait_s)]
+        if sigint_ignored:
+            cmd = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *cmd]  # exec: the pid stays that of `up`
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", key: value}, start_new_session=True)
     return proc, log_path, tag, raw
 
@@ -118,7 +123,7 @@ def _engine_started(tag: str) -> bool:
 
 
 def test_an_interrupted_start_up_leaves_no_process_behind(tmp_path):
-    proc, log_path, tag, raw = _start(tmp_path, wait_s=600)
+    proc, log_path, tag, raw = _start(tmp_path, wait_s=600, sigint_ignored=True)
     _wait_for(log_path, "[specserve] deploying", proc, 300)
     deadline = time.monotonic() + 240  # interrupt while the engine is starting (the leak's window)
     while not _engine_started(tag) and time.monotonic() < deadline and proc.poll() is None:

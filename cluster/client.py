@@ -48,6 +48,9 @@ class SpecInfo:
     k: int = 0
     decided_by: Optional[str] = None
     explored: bool = False  # the policy's exploration draw chose mode and K (not its best estimate)
+    # How mode and K were chosen: admission load bucket, joined batch, and for the policy its scores
+    # (`k_scores` of the chosen pool, `hysteresis`: the incumbent K was kept over a higher score).
+    decision: dict = field(default_factory=dict)
     workload_class: Optional[str] = None
     steps: int = 0
     spec_steps: int = 0
@@ -72,6 +75,7 @@ class SpecInfo:
             replica=None if d.get("replica") is None else str(d.get("replica")),
             mode=str(d.get("mode") or "none"), k=int(d.get("k") or 0),
             decided_by=d.get("decided_by"), explored=bool(d.get("explored")), workload_class=d.get("workload_class"),
+            decision=dict(d.get("decision") or {}),
             steps=int(d.get("steps") or 0), spec_steps=int(d.get("spec_steps") or 0),
             drafted=int(d.get("drafted") or 0),
             accepted=int(d.get("accepted") or 0),

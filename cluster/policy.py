@@ -889,6 +889,9 @@ def choose_auto(
         "expected_tokens_per_step": round(chosen.expected(k, params=params), 4),
         "score": round(chosen.scores[k], 4),
         "scores": {c.pool.name: round(c.scores[c.k], 4) for c in cands},
+        "k_scores": {str(j): round(s, 4) for j, s in sorted(chosen.scores.items())},  # the chosen pool's
+        # the incumbent K was kept though another K scored higher (within the hysteresis margin)
+        "hysteresis": not explore and k != min(best_k(chosen.scores, params.tie_tol), chosen.pool.max_k),
     }
     mode = chosen.pool.method if k > 0 else SpecMode.NONE
     return Decision(pool=chosen.pool.name, mode=mode, k=k, decided_by="policy",

@@ -62,6 +62,21 @@ class Decision:
     detail: dict = field(default_factory=dict, compare=False)
 
 
+# What a response reports of its decision (`specserve.decision`, HTTP): the load bucket it was
+# admitted at, the batch it joined and, for a policy decision, the scores behind the choice.
+DECISION_FIELDS = ("load_bucket", "join_batch", "alpha", "draft_rate", "score", "scores", "k_scores", "hysteresis")
+
+
+def decision_summary(d: Decision) -> dict:
+    """The reported part of `d.detail`.
+
+    >>> decision_summary(Decision("p", SpecMode.NGRAM, 1, "policy", detail={"load_bucket": "16+", "cost_per_k": 0.1,
+    ...                                                                      "k_scores": {"0": 0.12, "1": 0.13}}))
+    {'load_bucket': '16+', 'k_scores': {'0': 0.12, '1': 0.13}}
+    """
+    return {f: d.detail[f] for f in DECISION_FIELDS if f in (d.detail or {})}
+
+
 def cap_at_admission(decision: Decision, table, batch: float) -> Decision:
     """`decision` with its K lowered to what its engine's per-step cap `table` allows at the batch
     the request joins (the engine applies the same cap at every step, `cluster.vllm_scheduler`), so

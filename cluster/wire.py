@@ -135,6 +135,7 @@ def spec_stats_proto(pb: Any, c: Completion):
         accepted_per_position=[int(x) for x in s.get("accepted_per_position", [])],
         pool=str(s.get("pool", "")), workload_class=str(s.get("workload_class", "")),
         decided_by=str(s.get("decided_by", "")), explored=bool(s.get("explored", False)),
+        load_bucket=str((s.get("decision") or {}).get("load_bucket", "")),
     )
 
 

@@ -19,7 +19,7 @@ from cluster.api import ApiError, ErrorCode, GenerateRequest, from_openai
 from cluster.auth import AUTH_ERROR_MESSAGE, ApiKeyStore, bearer_from_grpc, bearer_from_http
 from cluster.config import ClusterConfig
 from cluster.policy import load_bucket
-from cluster.routing import (Decision, LoadMeter, PoolView, cap_at_admission, growth_rule, load_domain, pool_load,
+from cluster.routing import (Decision, LoadMeter, PoolView, cap_at_admission, decision_summary, growth_rule, load_domain, pool_load,
                              pool_views, resolve_model, route, with_load)
 from cluster.wire import Completion, openai_chunk, openai_error_event, openai_response
 from deployments.engine import EngineChunk, EngineRequest
@@ -200,7 +200,8 @@ class Router:
                     comp.latency_s = now - t0
                     comp.stats = {**(chunk.stats or {}), "pool": d.pool, "replica": chunk.replica,
                                   "decided_by": d.decided_by, "workload_class": d.workload_class,
-                                  "explored": bool(d.detail.get("explore")) if d.detail else False}
+                                  "explored": bool(d.detail.get("explore")) if d.detail else False,
+                                  "decision": decision_summary(d)}
                 yield chunk, comp
             if comp.finish_reason is None:
                 raise ApiError(ErrorCode.UNAVAILABLE, "engine stream ended before the request finished",

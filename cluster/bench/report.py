@@ -339,9 +339,17 @@ def _ms(x: Optional[float]) -> str:
     return fmt(None if x is None or math.isnan(x) else x * 1000.0, 0)
 
 
-def _kdist(d: dict, explored: int = 0) -> str:
-    """`mode:K×n ...`, and how many of those the router's exploration draw chose."""
-    return " ".join(f"{k}×{v}" for k, v in d.items()) + (f" (explored {explored})" if explored else "")
+def _kdist(d: dict, explored: int = 0, held: int = 0, buckets: Optional[dict] = None) -> str:
+    """`mode:K×n ...`, how many of those the router's exploration draw chose and how many kept an
+    incumbent K by hysteresis, and the load buckets the requests were admitted at."""
+    notes = [f"explored {explored}"] * bool(explored) + [f"held {held}"] * bool(held)
+    if buckets and set(buckets) != {"1"}:  # one stream is always admitted at 1: not worth a note
+        notes.append("at " + " ".join(f"{b}×{n}" for b, n in buckets.items()))
+    return " ".join(f"{k}×{v}" for k, v in d.items()) + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _kcell(r: dict) -> str:
+    return _kdist(r["k_distribution"], r.get("explored", 0), r.get("held", 0), r.get("load_buckets"))
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -367,7 +375,7 @@ def render_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
                           fmt(r["speedup"]), _ms(r["ttft_s"]["p50"]), _ms(r["tpot_s"]["p50"]), _ms(r["tpot_s"]["p99"]),
                           _ms(r["latency_s"]["mean"]), _ms(r["latency_s"]["p50"]), _ms(r["latency_s"]["p90"]),
                           _ms(r["latency_s"]["p99"]), fmt(r["request_goodput_tokens_per_s"]), str(r["drafted"]),
-                          str(r["accepted"]), fmt(r["acceptance_length"]), _kdist(r["k_distribution"], r.get("explored", 0)),
+                          str(r["accepted"]), fmt(r["acceptance_length"]), _kcell(r),
                           str(r["errors"])])
         lines += _table(header, table) + [""]
         tasks = sorted({t for r in rows.values() for t in r["by_task"]})
@@ -413,7 +421,7 @@ def render_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
                 table.append([cfg, c, str(r["requests"]), fmt(tput), per_round or "-", fmt(good),
                               _ms(r["ttft_s"]["p50"]), _ms(r["ttft_s"]["p99"]), _ms(r["tpot_s"]["p50"]),
                               _ms(r["tpot_s"]["p99"]), _ms(r["itl_s"]["p99"]), _ms(r["latency_s"]["p50"]),
-                              _ms(r["latency_s"]["p99"]), fmt(r["acceptance_length"]), _kdist(r["k_distribution"], r.get("explored", 0)),
+                              _ms(r["latency_s"]["p99"]), fmt(r["acceptance_length"]), _kcell(r),
                               str(r["errors"])])
         lines += _table(header, table) + [""]
     if summary.get("router"):
@@ -425,7 +433,7 @@ def render_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         table = [[cfg, str(r["requests"]), fmt(r["throughput_tokens_per_s"]), fmt(r["goodput_tokens_per_s"]),
                   str(r["good_requests"]), _ms(r["ttft_s"]["p50"]), _ms(r["ttft_s"]["p99"]), _ms(r["tpot_s"]["p99"]),
                   _ms(r["latency_s"]["p50"]), _ms(r["latency_s"]["p99"]), fmt(r["acceptance_length"]),
-                  _kdist(r["k_distribution"], r.get("explored", 0)), str(r["errors"])] for cfg, r in summary["poisson"].items()]
+                  _kcell(r), str(r["errors"])] for cfg, r in summary["poisson"].items()]
         lines += _table(header, table) + [""]
     return "\n".join(lines) + "\n"
 

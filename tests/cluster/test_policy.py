@@ -286,6 +286,19 @@ def test_the_recorded_r14_state_no_longer_locks_math_at_k3():
     assert score_pool(pool, "math", view, PolicyParams(margin_min=P.margin)).k == 3  # the old fixed margin
 
 
+def test_a_decision_says_when_hysteresis_kept_its_k():
+    # Reported per response (`specserve.decision`): whether the incumbent K was kept over a higher
+    # score, and every K's score, so a run can tell hysteresis from the scores themselves.
+    view = _recorded_view(Path(__file__).parent / "data" / "tuning-r14load-bucket1.json")
+    held = choose_auto([ngram(max_k=6)], ROUTER, "math", tuning=view, params=PolicyParams(margin_min=P.margin))
+    assert held.k == 3 and held.detail["hysteresis"] is True
+    ks = held.detail["k_scores"]
+    assert set(ks) == {str(k) for k in range(7)} and max(ks.values()) > ks["3"] == held.detail["score"]
+    free = choose_auto([ngram(max_k=6)], ROUTER, "math", tuning=view)
+    assert free.k != 3 and free.detail["hysteresis"] is False
+    assert free.detail["k_scores"][str(free.k)] == max(free.detail["k_scores"].values())
+
+
 def test_plain_steps_measured_under_other_load_do_not_erase_the_cost_of_k():
     # The tuning state at the end of r15 (bucket 1): its plain steps were recorded while other work
     # loaded the machine, so every K read cheaper than a plain step. Clamping each K at 0 made

@@ -123,6 +123,16 @@ def test_the_response_says_whether_the_exploration_draw_chose_mode_and_k():
     assert json.loads(post(router, body).body)["specserve"]["explored"] is True
 
 
+def test_the_response_reports_the_load_bucket_and_scores_behind_its_decision():
+    router, _ = make_router(lambda: FakeCall([FINAL]))
+    body = {"messages": [{"role": "user", "content": "Summarize: the cat sat on the mat."}], "max_tokens": 4}
+    d = json.loads(post(router, body).body)["specserve"]["decision"]
+    assert d["load_bucket"] == "1" and d["join_batch"] == 1.0  # an idle router
+    assert isinstance(d["hysteresis"], bool) and "0" in d["k_scores"] and "cost_per_k" not in d
+    explicit = json.loads(post(router, BODY).body)["specserve"]["decision"]
+    assert explicit == {"load_bucket": "1"}  # the caller's K: no scores, only the load it met
+
+
 def test_a_policy_k_is_capped_at_admission_as_the_engine_will_cap_it():
     router, handles = make_router(lambda: FakeCall([FINAL]))
     body = {"messages": [{"role": "user", "content": "Summarize: the cat sat on the mat. The cat sat."}], "max_tokens": 4}
@@ -381,3 +391,6 @@ def test_grpc_stats_carry_the_exploration_flag():
     assert spec_stats_proto(pb, c).explored is True
     c.stats["explored"] = False
     assert spec_stats_proto(pb, c).explored is False
+    assert spec_stats_proto(pb, c).load_bucket == ""
+    c.stats["decision"] = {"load_bucket": "16+", "k_scores": {"0": 0.1}}
+    assert spec_stats_proto(pb, c).load_bucket == "16+"

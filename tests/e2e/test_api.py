@@ -38,6 +38,7 @@ def test_grpc_unary_and_stream_agree(stub):
     assert unary.text and unary.completion_tokens == len(unary.token_ids) > 0
     assert unary.spec.mode in ("ngram", "none") and unary.spec.pool == "ngram"
     assert unary.spec.decided_by == "request" and unary.spec.explored is False
+    assert unary.spec.load_bucket in ("1", "2-3", "4-7", "8-15", "16+")
     assert unary.timing.ttft_s > 0 and unary.timing.latency_s >= unary.timing.ttft_s
     chunks = list(stub.GenerateStream(_req(mode="ngram", k=3), timeout=300))
     assert len(chunks) >= 2

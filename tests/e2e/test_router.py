@@ -15,6 +15,7 @@ import httpx
 import pytest
 import redis
 
+from cluster.policy import BUCKET_NAMES
 from cluster.redis_server import parse_redis_url, start_local_redis
 
 pytestmark = pytest.mark.engine
@@ -51,6 +52,7 @@ def test_auto_decisions_follow_the_workload_class(cluster):
         assert r.status_code == 200, r.text
         s = r.json()["specserve"]
         assert s["decided_by"] == "policy" and isinstance(s["explored"], bool)
+        assert s["decision"]["load_bucket"] in BUCKET_NAMES and "0" in s["decision"]["k_scores"]
         assert s["workload_class"] == wclass
         seen[wclass] = s
     explicit = httpx.post(f"{url}/v1/chat/completions", timeout=300, json={

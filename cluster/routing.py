@@ -64,15 +64,19 @@ class Decision:
 
 # What a response reports of its decision (`specserve.decision`, HTTP): the load bucket it was
 # admitted at, the batch it joined and, for a policy decision, the scores behind the choice.
-DECISION_FIELDS = ("load_bucket", "join_batch", "alpha", "draft_rate", "score", "scores", "k_scores", "hysteresis")
+DECISION_FIELDS = ("load_bucket", "join_batch", "alpha", "draft_rate", "score", "scores", "k_scores", "hysteresis",
+                   "k_uncapped")  # k_uncapped: the policy's K before the per-step cap table cut it at admission
 
 
 def decision_summary(d: Decision) -> dict:
     """The reported part of `d.detail`.
 
-    >>> decision_summary(Decision("p", SpecMode.NGRAM, 1, "policy", detail={"load_bucket": "16+", "cost_per_k": 0.1,
-    ...                                                                      "k_scores": {"0": 0.12, "1": 0.13}}))
-    {'load_bucket': '16+', 'k_scores': {'0': 0.12, '1': 0.13}}
+    >>> d = Decision("p", SpecMode.NGRAM, 3, "policy", detail={"load_bucket": "16+", "cost_per_k": 0.1,
+    ...                                                      "k_scores": {"0": 0.12, "1": 0.13, "3": 0.14}})
+    >>> decision_summary(d)
+    {'load_bucket': '16+', 'k_scores': {'0': 0.12, '1': 0.13, '3': 0.14}}
+    >>> decision_summary(cap_at_admission(d, [(1, 3), (16, 1)], 20.0))["k_uncapped"]
+    3
     """
     return {f: d.detail[f] for f in DECISION_FIELDS if f in (d.detail or {})}
 

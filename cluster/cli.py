@@ -427,7 +427,7 @@ def _print_explain(cfg, store, models, args, reachable: bool) -> int:
         return 0
     print(f"# auto's choice (no exploration) from the tuning state at {cfg.redis.url} "
           f"(redis {'reachable' if reachable else 'NOT reachable: cold-start priors'})")
-    cols = ["model", "batch", "workload_class", "pool", "mode", "k", "alpha", "draft_rate", "cost_per_step", "cost_per_k", "step_overhead",
+    cols = ["model", "batch", "workload_class", "pool", "mode", "k", "k_cap", "k_run", "alpha", "draft_rate", "cost_per_step", "cost_per_k", "step_overhead",
             "expected_tokens_per_step", "score", "scores"]
     _print_tsv(cols, rows)
     return 0

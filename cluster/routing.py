@@ -275,11 +275,16 @@ def explain_choices(
     cold-start priors): one row per (batch, class) with the chosen pool, mode and K and the numbers
     behind it. `batches` are the batch a request would join (1 = an idle machine); every pool is
     given that load (pools of one hardware group share it). Pure: `specserve tuning --explain`
-    prints it for a config, so an operator can read the router's choice before sending traffic."""
-    from cluster.policy import choose_auto
+    prints it for a config, so an operator can read the router's choice before sending traffic.
+    `k` is the policy's choice; `k_run` the K the request is admitted at, once the pool's per-step
+    cap table (`policy.k_cap_table`, which the engine also applies per step) has cut it at that
+    batch, as the router does (`cap_at_admission`); `k_cap` is that table's cap."""
+    from cluster.policy import choose_auto, k_cap_table
 
     if tuning is not None:
         tuning = replace(tuning, rng=None)
+    caps = {v.name: k_cap_table(v.method.value, v.max_k, tuning, priors=v.prior_alpha, draft_cost=v.prior_draft_cost)
+            for v in views}
     rows = []
     for batch in batches:
         others = max(float(batch) - 1.0, 0.0)
@@ -287,8 +292,10 @@ def explain_choices(
                           group_load=others if v.hardware_group is not None else None) for v in views]
         for wclass in classes:
             d = choose_auto(loaded, router, wclass, tuning, rng=None)
-            rows.append({"batch": batch, "workload_class": wclass, "pool": d.pool, "mode": d.mode.value,
-                         "k": d.k, **{f: d.detail.get(f) for f in (
+            run = cap_at_admission(d, caps[d.pool], float(batch)) if d.k else d
+            rows.append({"batch": batch, "workload_class": wclass, "pool": d.pool, "mode": run.mode.value,
+                         "k": d.k, "k_cap": k_cap_for_batch(max(int(batch), 1), caps[d.pool]), "k_run": run.k,
+                         **{f: d.detail.get(f) for f in (
                              "load_bucket", "alpha", "draft_rate", "cost_per_k", "cost_per_step", "step_overhead", "expected_tokens_per_step",
                              "score", "scores")}})
     return rows

@@ -104,6 +104,23 @@ def test_explain_choices_rows_follow_load_and_never_explore():
     assert [(r["pool"], r["k"], r["score"]) for r in again] == [(r["pool"], r["k"], r["score"]) for r in rows]
 
 
+def test_explain_choices_apply_the_per_step_cap_as_admission_does():
+    # r23-load: the policy chose K = 3 for RAG at batch 32 while the pool's cap table said 0, and
+    # the requests ran plain; explain showed only the policy's K. `k_run` is the K that runs.
+    from cluster.routing import explain_choices
+
+    ngram = PoolView(name="ngram", model="m", method=SpecMode.NGRAM, max_k=6,
+                     prior_alpha=(("*", 0.05), ("structured", 0.95)))
+    rows = explain_choices([ngram], ROUTER, None, ("structured", "qa"), (1, 16, 32))
+    by = {(r["batch"], r["workload_class"]): r for r in rows}
+    assert (by[(1, "structured")]["k"], by[(1, "structured")]["k_run"]) == (6, 6)
+    cut = by[(32, "structured")]
+    assert cut["k"] > cut["k_cap"] == cut["k_run"] > 0 and cut["mode"] == "ngram"
+    for r in rows:
+        assert r["k_run"] == (min(r["k"], r["k_cap"]) if r["k"] else 0)
+        assert (r["mode"] == "none") == (r["k_run"] == 0)
+
+
 def test_explain_choices_cold_start_without_a_view():
     from cluster.routing import explain_choices
 

@@ -204,11 +204,14 @@ def cmd_up(args) -> int:
             print(f"specserve up: interrupted during start-up ({e or 'SIGINT'})", file=sys.stderr)
             return 130
         stop = threading.Event()
-        for sig in STOP_SIGNALS:  # serving: a signal asks the loop below to stop
-            signal.signal(sig, lambda *_: stop.set())
-        print("[specserve] press Ctrl-C to stop")
-        while not stop.wait(1.0):
-            pass
+        try:
+            for sig in STOP_SIGNALS:  # serving: a signal asks the loop below to stop
+                signal.signal(sig, lambda *_: stop.set())
+            print("[specserve] press Ctrl-C to stop")
+            while not stop.wait(1.0):
+                pass
+        except KeyboardInterrupt:
+            pass  # a signal in the instant before these handlers replaced the start-up's: stop all the same
         print("[specserve] stopping")
         hold_signals_while_stopping()
         stop_cluster(redis_handle, forwarder)

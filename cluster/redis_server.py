@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -171,11 +172,37 @@ def ensure_local_redis(url: str, start_local: bool = True, data_dir: Optional[Pa
     return start_local_redis(port, data_dir=data_dir)
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A currently free loopback TCP port (for tests and ad-hoc servers)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback TCP port (for tests and ad-hoc servers) that nothing else on this machine
+    will take before the caller binds it. A port the kernel hands out for port 0 lies in its
+    ephemeral range, where every outgoing connection and every listener bound to port 0 (Ray's,
+    gRPC's) draws its port too: CI lost a run when the TLS forwarder's port, picked that way, was
+    taken before `specserve up` bound it. So the port is drawn between Ray's worker ports
+    (10002-19999) and the ephemeral range, checked free, and never handed out twice in one process."""
+    low, high = 20000, min(_ephemeral_low(), 65536) - 1
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randint(low, high)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in {low}-{high}")
 
 
 def _tail(path: Path, n_bytes: int = 2000) -> str:

@@ -4,9 +4,7 @@ on free ports, with its own Redis; every engine test shares it."""
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,42 +14,15 @@ import httpx
 import pytest
 import yaml
 
+from cluster.redis_server import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL_CONFIG = ROOT / "cluster" / "configs" / "local-cpu.yaml"
 START_TIMEOUT_S = 600
 
 
-_HANDED_OUT: set[int] = set()
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def _free_port() -> int:
-    """A free port that nothing else started on this machine will take before the cluster binds
-    it. A port the kernel hands out for port 0 lies in its ephemeral range, where every outgoing
-    connection and every listener bound to port 0 (Ray's, gRPC's) draws its port too: CI lost a
-    run when the TLS forwarder's port, picked that way, was taken before `specserve up` bound it.
-    So the port is drawn between Ray's worker ports (10002-19999) and the ephemeral range, checked
-    free, and never handed out twice in one test session."""
-    low, high = 20000, min(_ephemeral_low(), 65536) - 1
-    rng = random.Random()
-    for _ in range(1000):
-        port = rng.randint(low, high)
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
-    raise RuntimeError(f"no free port in {low}-{high}")
+# Ports drawn outside the kernel's ephemeral range, never twice (`cluster.redis_server.free_port`).
+_free_port = free_port
 
 
 class Cluster:

@@ -792,17 +792,17 @@ def explorable_ks(cand: Candidate, floor: float, params: PolicyParams = DEFAULT_
 
     >>> from cluster.routing import PoolView
     >>> pool = PoolView(name="p", model="m", method=SpecMode.NGRAM, max_k=4)
-    >>> cand = Candidate(pool, "1", 0.6, (60.0, 40.0), 1.0, 0.0, 1.0, {0: 1.0, 1: 1.6, 2: 1.96, 3: 2.18, 4: 2.31}, 4)
+    >>> cand = Candidate(pool, "1", 0.6, (60.0, 40.0), 1.0, 0.0, 1.0, {0: 1.0, 1: 1.6, 2: 1.96, 3: 2.18, 4: 2.31}, 4,
+    ...                  overheads=(0.0,) * 5)
     >>> sorted(explorable_ks(cand, 2.31 * 0.95))
     [3, 4]
     """
     if not cand.speculative:
         return frozenset(k for k, s in cand.scores.items() if s >= floor)
     hi = beta_upper(*cand.alpha_beta, params.explore_z)
-    overheads = cand.overheads if len(cand.overheads) > max(cand.scores) else (0.0,) * (max(cand.scores) + 1)
     return frozenset(k for k in cand.scores
                      if k == 0 and cand.scores[0] >= floor
-                     or k > 0 and score_at(cand.expected(k, hi, params=params), overheads[k], cand.step_rel) >= floor)
+                     or k > 0 and score_at(cand.expected(k, hi, params=params), cand.overheads[k], cand.step_rel) >= floor)
 
 
 def _sampled(cand: Candidate, rng: random.Random, params: PolicyParams,

@@ -65,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--val-seqs", type=int, default=0,
                    help="training sequences held back and scored (acceptance at K=3) every --val-every steps")
     p.add_argument("--val-every", type=int, default=100)
+    p.add_argument("--bf16", action="store_true",
+                   help="the target generates and encodes the training text in bfloat16 and the drafter trains "
+                        "under bfloat16 autocast (~1.5x / 2.7x / 2.6x faster on a CPU with AVX512-BF16); the "
+                        "held-out text and the evaluation stay float32, as a float32 engine serves")
     p.add_argument("--ship", default=None, help="also write the repository copy (own tensors, fp16) here")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
@@ -143,9 +147,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"data: {dropped} training prompts longer than {args.max_prompt_tokens} tokens left out")
     specs = [data.CorpusSpec(tuple(h.text for h in held), args.eval_max_new_tokens, 0.0, args.seed)]
     if not args.eval_only:
-        specs.append(data.CorpusSpec(tuple(train_p), args.max_new_tokens, 0.0, args.seed))
-        specs += [data.CorpusSpec(tuple(train_p), args.max_new_tokens, args.temperature, args.seed + 1 + i)
-                  for i in range(args.sampled)]
+        specs.append(data.CorpusSpec(tuple(train_p), args.max_new_tokens, 0.0, args.seed, bf16=args.bf16))
+        specs += [data.CorpusSpec(tuple(train_p), args.max_new_tokens, args.temperature, args.seed + 1 + i,
+                                  bf16=args.bf16) for i in range(args.sampled)]
     t_data = time.monotonic()
     sets = data.corpora(target, tok, specs, data_dir, engine=args.engine, model_path=target_path)
     print(f"data: ready in {time.monotonic() - t_data:.0f}s")
@@ -176,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
                           batch_seqs=args.batch_seqs, max_len=args.max_len, ckpt_every=args.ckpt_every,
                           seed=args.seed, sub_vocab=not args.full_vocab, context=args.context,
                           supervise_prompt=args.supervise_prompt, feat_noise=args.feat_noise,
-                          weight_decay=args.weight_decay, val_every=args.val_every if args.val_seqs else 0)
+                          weight_decay=args.weight_decay, val_every=args.val_every if args.val_seqs else 0,
+                          bf16=args.bf16)
         validate = None
         if args.val_seqs:
             train_set, val = data.hold_back(sets[1:], args.val_seqs)

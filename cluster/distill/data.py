@@ -12,6 +12,7 @@ simple synthetic instructions.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -28,6 +29,10 @@ log = logging.getLogger(__name__)
 
 SPECBENCH = Path(__file__).resolve().parents[1] / "data" / "specbench-dev.jsonl"
 
+# Templated training requests (`synthetic_instructions`): 48 templates in the styles of Spec-Bench's
+# first turns (MT-bench's writing, roleplay, reasoning, math, coding, extraction, STEM and humanities;
+# natural questions; summaries) over 120 topics. Until session 19 it was 10 templates over 30
+# topics (270 distinct single-topic requests), which a corpus of 1,000+ requests repeats many times.
 _TEMPLATES = [
     "Explain {} to a ten-year-old.",
     "Write a short story about {}.",
@@ -39,6 +44,44 @@ _TEMPLATES = [
     "Write a short email to a friend about {}.",
     "Compare {} and {} in a short paragraph.",
     "Write a Python function related to {} and explain it.",
+    "What is {}?",
+    "How does {} work?",
+    "Why is {} important?",
+    "Who first studied {}, and what did they find?",
+    "Write a persuasive paragraph arguing that everyone should care about {}.",
+    "Pretend you are a tour guide and describe {} to a group of visitors.",
+    "Write a limerick about {}.",
+    "Describe {} in exactly three sentences.",
+    "What are common misconceptions about {}?",
+    "Write a blog post introduction about {}.",
+    "Imagine you are a scientist in the year 2100. What has changed about {}?",
+    "Give me a quiz of three questions about {}, with answers.",
+    "Write a dialogue between two students discussing {}.",
+    "What would happen if {} disappeared tomorrow?",
+    "Explain the relationship between {} and {}.",
+    "Write a product description for a book about {}.",
+    "Outline a five-minute presentation on {}.",
+    "What skills does someone need to work with {}?",
+    "Write a short poem that mentions both {} and {}.",
+    "Give three tips for beginners interested in {}.",
+    "Describe a typical day for someone whose job involves {}.",
+    "Write a news headline and a short article about a discovery related to {}.",
+    "What are the main challenges related to {} today?",
+    "Answer briefly: what is the most interesting thing about {}?",
+    "Write a thank-you note to a teacher who taught you about {}.",
+    "Explain {} using an analogy.",
+    "Create a study plan for one week to learn about {}.",
+    "Write a short speech for a school event about {}.",
+    "Classify the following topics into science or culture: {}, {}.",
+    "Rewrite this sentence to be more formal: I really like learning about {}.",
+    "Translate into simple English: the phenomenon of {} is multifaceted.",
+    "Solve this: a class of 24 students studies {}; a third of them write a report. How many reports are written?",
+    "Write a SQL query that finds all books about {} published after 2000, and explain it.",
+    "If you could interview an expert on {}, what five questions would you ask?",
+    "Summarize in one paragraph how {} affects everyday life.",
+    "Write a recipe-style guide to understanding {}.",
+    "What are the ethical questions raised by {}?",
+    "Tell me a fun fact about {} and explain why it is true.",
 ]
 _TOPICS = [
     "the moon", "volcanoes", "photosynthesis", "the internet", "coffee", "bicycles", "the ocean",
@@ -46,6 +89,23 @@ _TOPICS = [
     "the human heart", "recycling", "mountains", "bread baking", "the solar system", "rain",
     "friendship", "libraries", "trains", "honey bees", "sorting a list", "prime numbers",
     "climate change", "football", "the printing press", "sleep", "smartphones",
+    "black holes", "the French Revolution", "vaccines", "earthquakes", "jazz", "democracy",
+    "the stock market", "dinosaurs", "the Great Wall of China", "renewable energy", "DNA",
+    "social media", "Shakespeare", "the water cycle", "penguins", "the Renaissance", "cryptography",
+    "the Olympic Games", "tea", "rainforests", "the immune system", "robots", "ancient Egypt",
+    "inflation", "the piano", "meditation", "airplanes", "coral reefs", "the Industrial Revolution",
+    "video games", "mathematics", "plate tectonics", "the Amazon river", "public transport",
+    "antibiotics", "chocolate", "the Cold War", "space exploration", "wolves", "poetry",
+    "nuclear power", "the human brain", "the Silk Road", "cloud computing", "origami", "deserts",
+    "the Beatles", "gravity", "the printing of money", "marathons", "photography", "languages",
+    "the Moon landing", "bees and flowers", "cybersecurity", "architecture", "Mount Everest",
+    "the periodic table", "healthy eating", "the Roman Empire", "solar panels", "volunteering",
+    "the Eiffel Tower", "tsunamis", "bacteria", "the internet of things", "ballet", "glaciers",
+    "world war two", "the camera", "electricity", "the Pythagorean theorem", "recycling plastic",
+    "hurricanes", "the Mona Lisa", "quantum computing", "taxes", "elephants", "the violin",
+    "urban gardening", "the blockchain", "fossils", "the Arctic", "job interviews", "time zones",
+    "the Nile", "programming languages", "mushrooms", "the human eye", "birds' migration",
+    "remote work", "the speed of light",
 ]
 
 
@@ -100,12 +160,20 @@ def write_heldout(path: Path, held: list[HeldOut]) -> Path:
 
 
 def synthetic_instructions(n: int, seed: int) -> list[str]:
+    """n distinct templated requests, seeded (a repeated request would only repeat its greedy
+    continuation); at most as many as the templates and topics can make."""
     gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
+    out: list[str] = []
+    seen: set[str] = set()
+    for _ in range(50 * n):
+        if len(out) == n:
+            break
         t = _TEMPLATES[int(torch.randint(len(_TEMPLATES), (1,), generator=gen))]
         a, b = (_TOPICS[int(i)] for i in torch.randint(len(_TOPICS), (2,), generator=gen))
-        out.append(t.format(a, b))
+        text = t.format(a, b)
+        if text not in seen:
+            seen.add(text)
+            out.append(text)
     return out
 
 
@@ -157,23 +225,29 @@ def features(target, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def features_batched(target, seqs: list[torch.Tensor], batch_size: int = 8) -> list[torch.Tensor]:
-    """Features of many sequences, right-padded in batches of similar length (causal attention:
-    padding after a sequence leaves its positions' states unchanged)."""
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    out: list[Optional[torch.Tensor]] = [None] * len(seqs)
-    for b in range(0, len(order), batch_size):
-        rows = order[b:b + batch_size]
-        L = max(len(seqs[i]) for i in rows)
-        ids = torch.zeros(len(rows), L, dtype=torch.long)  # [B, L]
-        mask = torch.zeros(len(rows), L, dtype=torch.long)  # [B, L]
-        for r, i in enumerate(rows):
-            ids[r, :len(seqs[i])] = seqs[i]
-            mask[r, :len(seqs[i])] = 1
-        h = target.model(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, L, H]
-        for r, i in enumerate(rows):
-            out[i] = h[r, :len(seqs[i])].clone()
-    return out  # type: ignore[return-value]
+def features_shared_prompt(target, prompt: list[int], conts: list[list[int]]) -> list[torch.Tensor]:
+    """Features of prompt + each continuation, the prompt run once: its states and KV cache are
+    computed alone, then every continuation runs as one right-padded batch against that cache
+    (repeated per row). The same as `features` of each whole sequence (causal attention: a
+    position sees only what precedes it); the prompt, often longer than its continuations, is
+    paid once instead of once per continuation."""
+    out = target.model(input_ids=torch.tensor([prompt]), use_cache=True)
+    hp = out.last_hidden_state[0]  # [P, H]
+    P, n, L = len(prompt), len(conts), max((len(c) for c in conts), default=0)
+    if L == 0:
+        return [hp.clone() for _ in conts]
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(n)
+    ids = torch.zeros(n, L, dtype=torch.long)  # [n, L]
+    mask = torch.zeros(n, P + L, dtype=torch.long)  # [n, P+L]: the prompt, then each row's own tokens
+    mask[:, :P] = 1
+    for i, c in enumerate(conts):
+        ids[i, :len(c)] = torch.tensor(c, dtype=torch.long)
+        mask[i, P:P + len(c)] = 1
+    pos = torch.arange(P, P + L)[None].expand(n, L)  # [n, L]
+    h = target.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                     use_cache=False).last_hidden_state  # [n, L, H]
+    return [torch.cat([hp, h[i, :len(c)]]) for i, c in enumerate(conts)]
 
 
 @dataclass(frozen=True)
@@ -184,6 +258,11 @@ class CorpusSpec:
     max_new_tokens: int
     temperature: float
     seed: int
+    # The target in bfloat16 for this corpus (vLLM dtype and the features' autocast): ~1.5x faster
+    # generation and ~2.7x faster features on a CPU with AVX512-BF16 (BENCHMARKS 9.7). Its features
+    # are ~0.7% off fp32 ones, well inside the training's own feature noise; for training text, not
+    # for the held-out corpus, which stays what a float32 engine serves.
+    bf16: bool = False
 
 
 def target_key(target) -> list:
@@ -215,7 +294,7 @@ def corpora(
     plans = []  # per spec: (root, [(shard index, shard path, [prompt ids])])
     for spec in specs:
         key = [*target_key(target), list(spec.prompts), spec.max_new_tokens,
-               spec.temperature, spec.seed] + ([engine] if engine != "transformers" else [])
+               spec.temperature, spec.seed] + ([engine] if engine != "transformers" else []) + (["bf16"] if spec.bf16 else [])
         root = Path(cache_dir) / f"corpus-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}"
         root.mkdir(parents=True, exist_ok=True)
         shards = []
@@ -223,52 +302,65 @@ def corpora(
             chunk = [chat_ids(tokenizer, p) for p in spec.prompts[s * shard_size:(s + 1) * shard_size]]
             shards.append((s, root / f"shard-{s:04d}.pt", chunk))
         plans.append((root, shards))
-    # 1. continuations of the missing shards: one vLLM call for all of them
+    # 1. continuations of the missing shards: one vLLM call for all of them (prompt-major, so a
+    #    prompt's continuations across specs run together and share its prefill in the prefix cache)
     conts: dict[tuple[int, int], list[list[int]]] = {}
+    missing = [(si, s, chunk) for si, (_, shards) in enumerate(plans) for s, path, chunk in shards if not path.exists()]
     if engine == "vllm":
         jobs, where = [], []
-        for si, (spec, (_, shards)) in enumerate(zip(specs, plans)):
-            for s, path, chunk in shards:
-                if not path.exists():
-                    for i, ids in enumerate(chunk):
-                        jobs.append({"prompt_ids": ids, "max_new_tokens": spec.max_new_tokens,
-                                     "temperature": spec.temperature, "seed": job_seed(spec.seed, s * shard_size + i)})
-                        where.append((si, s))
+        for si, s, chunk in missing:
+            spec = specs[si]
+            for i, ids in enumerate(chunk):
+                jobs.append({"prompt_ids": ids, "max_new_tokens": spec.max_new_tokens,
+                             "temperature": spec.temperature, "seed": job_seed(spec.seed, s * shard_size + i)})
+                where.append((si, s, i))
         if jobs:
             from cluster.distill.vllm_gen import generate_vllm
 
-            for (si, s), c in zip(where, generate_vllm(model_path, jobs, max_model_len, log_fn=log_fn)):
+            got: list = [None] * len(jobs)
+            for bf16 in sorted({specs[si].bf16 for si, _, _ in where}):  # one engine per dtype
+                mine = [k for k in range(len(jobs)) if specs[where[k][0]].bf16 == bf16]
+                order = sorted(mine, key=lambda k: (jobs[k]["prompt_ids"], k))
+                made = generate_vllm(model_path, [jobs[k] for k in order], max_model_len, log_fn=log_fn,
+                                     **({"dtype": "bfloat16"} if bf16 else {}))
+                for k, c in zip(order, made):
+                    got[k] = c
+            for (si, s, i), c in zip(where, got):
                 conts.setdefault((si, s), []).append(c)
-    # 2. per shard: (generate here,) features, save
-    out: list[list[dict]] = []
-    for si, (spec, (root, shards)) in enumerate(zip(specs, plans)):
-        samples: list[dict] = []
-        for s, path, chunk in shards:
-            if path.exists():
-                samples += torch.load(path)
-                continue
-            if engine == "vllm":
-                new = conts[(si, s)]
-            else:
-                gen = torch.Generator().manual_seed(spec.seed * 100003 + s)  # per shard: a resumed run is identical
-                order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]))  # similar lengths: less padding
-                new = [None] * len(chunk)
-                for b in range(0, len(order), batch_size):
-                    rows = order[b:b + batch_size]
-                    for i, c in zip(rows, generate(target, [chunk[i] for i in rows], spec.max_new_tokens,
-                                                   spec.temperature, gen, eos, pad)):
-                        new[i] = c
-            seqs = [torch.tensor(p + c, dtype=torch.long) for p, c in zip(chunk, new)]
-            feats = features_batched(target, seqs, batch_size)
-            shard = [{"ids": ids, "prompt_len": len(p), "feats": f.half()} for ids, p, f in zip(seqs, chunk, feats)]
+    else:
+        for si, s, chunk in missing:
+            spec = specs[si]
+            gen = torch.Generator().manual_seed(spec.seed * 100003 + s)  # per shard: a resumed run is identical
+            order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]))  # similar lengths: less padding
+            new = [None] * len(chunk)
+            for b in range(0, len(order), batch_size):
+                rows = order[b:b + batch_size]
+                for i, c in zip(rows, generate(target, [chunk[i] for i in rows], spec.max_new_tokens,
+                                               spec.temperature, gen, eos, pad)):
+                    new[i] = c
+            conts[(si, s)] = new
+    # 2. features of the missing shards: shards of the same prompts (a greedy corpus and its sampled
+    #    twins) together, each prompt run once for all its continuations (`features_shared_prompt`)
+    groups: dict[tuple, list[tuple[int, int]]] = {}
+    for si, s, chunk in missing:
+        groups.setdefault((specs[si].bf16, tuple(map(tuple, chunk))), []).append((si, s))
+    for (bf16, chunk_key), members in groups.items():
+        feats = {m: [] for m in members}
+        amp = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        for i, prompt in enumerate(chunk_key):
+            with amp:
+                fs = features_shared_prompt(target, list(prompt), [conts[m][i] for m in members])
+            for m, f in zip(members, fs):
+                feats[m].append(f.float())
+        for si, s in members:
+            path = plans[si][1][s][1]
+            shard = [{"ids": torch.tensor(list(p) + c, dtype=torch.long), "prompt_len": len(p), "feats": f.half()}
+                     for p, c, f in zip(chunk_key, conts[(si, s)], feats[(si, s)])]
             tmp = path.with_suffix(".tmp")
             torch.save(shard, tmp)
             os.replace(tmp, path)
-            samples += shard
-            log_fn(f"data: shard {s + 1}/{len(shards)} ({len(samples)} sequences, T={spec.temperature}, "
-                   f"{engine}) -> {path}")
-        out.append(samples)
-    return out
+            log_fn(f"data: shard {s + 1}/{len(plans[si][1])} (T={specs[si].temperature}, {engine}) -> {path}")
+    return [[x for _, path, _ in shards for x in torch.load(path)] for _, shards in plans]
 
 
 def corpus(

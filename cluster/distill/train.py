@@ -51,6 +51,8 @@ class TrainConfig:
     supervise_prompt: bool = False  # also distil on the kept prompt positions (free: features exist)
     feat_noise: float = 0.0  # eagle: uniform noise on the input features, times their RMS (EAGLE-1: data noise)
     val_every: int = 0  # held-back training sequences scored every N steps (0: never)
+    bf16: bool = False  # the drafter's forward under bfloat16 autocast (~2.6x faster on AVX512-BF16; the
+    # weights, optimizer and the target's logits stay fp32)
 
 
 def lr_at(step: int, cfg: TrainConfig, time_frac: float = 0.0) -> float:
@@ -138,7 +140,8 @@ def batch_loss(
     nxt = vocab.index[batch["next_ids"]]  # [B, T]: rows in V' (-1 outside it: padding, never supervised)
     assert bool((nxt[sup] >= 0).all()), "a supervised token lies outside the loss vocabulary"
     T, total, wsum, stats = ids.shape[1], 0.0, 0.0, {"kl": 0.0, "ce": 0.0, "tokens": int(sup.sum())}
-    with torch.no_grad():  # the target's logits at every supervised position, once for all draft steps
+    # the target's logits at every supervised position, once for all draft steps (fp32 under autocast too)
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
         teacher_all = torch.log_softmax(vocab.logits(feats[sup]).float(), -1)  # [N_sup, V']
     row = torch.full(sup.shape, -1, dtype=torch.long)  # [B, T]: row of teacher_all for position p
     row[sup] = torch.arange(int(sup.sum()))
@@ -240,7 +243,8 @@ def train(
         lr = lr_at(step, cfg, time_frac)
         for g in opt.param_groups:
             g["lr"] = lr
-        loss, stats = batch_loss(cfg, drafter, target, batch, vocab)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            loss, stats = batch_loss(cfg, drafter, target, batch, vocab)
         if not stats["tokens"] or not torch.is_tensor(loss):  # nothing supervised in this draw
             step += 1
             continue

@@ -44,7 +44,7 @@ def failure_tail(stdout: str | None, stderr: str | None, n: int = 30) -> str:
 
 
 def generate_vllm(model_path: str, jobs: list[dict], max_model_len: int, *, threads: int | None = None,
-                  timeout_s: float = 3600.0, log_fn=print) -> list[list[int]]:
+                  timeout_s: float = 3600.0, log_fn=print, dtype: str = "float32") -> list[list[int]]:
     """Run the jobs in a child vLLM process; return their continuations in job order."""
     from cluster.placement import cpu_engine_env
 
@@ -52,7 +52,7 @@ def generate_vllm(model_path: str, jobs: list[dict], max_model_len: int, *, thre
         return []
     with tempfile.TemporaryDirectory(prefix="specserve-vllm-gen-") as d:
         src, dst = Path(d) / "jobs.json", Path(d) / "out.json"
-        src.write_text(json.dumps({"model": model_path, "max_model_len": max_model_len, "jobs": jobs}))
+        src.write_text(json.dumps({"model": model_path, "max_model_len": max_model_len, "jobs": jobs, "dtype": dtype}))
         env = {**os.environ, **cpu_engine_env(), "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
@@ -79,7 +79,7 @@ def _child(src: str, dst: str) -> None:
 
     # Platform arguments as the serving engines get them: on the CPU build, no chunked prefill, or a
     # batch of seeded (sampled) jobs kills the engine core (`platform_engine_kwargs`).
-    llm = LLM(model=spec["model"], dtype="float32", max_model_len=spec["max_model_len"], enforce_eager=True,
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), max_model_len=spec["max_model_len"], enforce_eager=True,
               seed=0, enable_prefix_caching=True, **platform_engine_kwargs(spec["max_model_len"]))
     prompts = [TokensPrompt(prompt_token_ids=j["prompt_ids"]) for j in jobs]
     params = [SamplingParams(**sampling_kwargs(j)) for j in jobs]

@@ -55,6 +55,8 @@ def test_split_is_stratified_fixed_and_disjoint():
     assert data.split_prompts(recs, 8, seed=0) == (tr, ev)
     assert data.split_prompts(recs, 8, seed=1) != (tr, ev)
     assert data.synthetic_instructions(5, 1) == data.synthetic_instructions(5, 1)
+    many = data.synthetic_instructions(2000, 0)
+    assert len(many) == len(set(many)) == 2000  # distinct: a repeat would only repeat its continuation
 
 
 @pytest.mark.parametrize("n, most", [(3, 1), (12, 2), (0, 0)])
@@ -105,17 +107,33 @@ def test_batched_left_padded_generation_equals_one_by_one(target):
     assert sampled == data.generate(target, prompts, 6, 1.0, torch.Generator().manual_seed(3), eos_id=2, pad_id=0)
 
 
-def test_batched_features_equal_one_by_one(target):
-    seqs = [torch.tensor([5, 6, 7, 8, 9, 10, 11]), torch.tensor([12, 13]), torch.tensor([14, 15, 16, 17])]
-    batched = data.features_batched(target, seqs, batch_size=2)
-    for s, f in zip(seqs, batched):
-        assert f.shape == (len(s), target.config.hidden_size)
-        assert torch.allclose(f, data.features(target, s), atol=1e-5)
+def test_shared_prompt_features_equal_one_by_one(target):
+    """The prompt run once with its KV cache repeated per continuation gives each whole sequence's
+    features (ragged continuations, an empty one included)."""
+    prompt, conts = [5, 6, 7, 8, 9], [[10, 11, 12], [13], [14, 15, 16, 17, 18], []]
+    shared = data.features_shared_prompt(target, prompt, conts)
+    assert len(shared) == len(conts)
+    for c, f in zip(conts, shared):
+        assert f.shape == (len(prompt) + len(c), target.config.hidden_size)
+        assert torch.allclose(f, data.features(target, torch.tensor(prompt + c)), atol=1e-5)
+    assert [f.shape[0] for f in data.features_shared_prompt(target, prompt, [[], []])] == [5, 5]
+
+
+def test_corpora_features_of_twin_corpora_equal_their_own(target, tmp_path):
+    """A greedy corpus and a sampled twin of the same prompts (features computed together, each
+    prompt once) hold exactly the features each sequence has alone."""
+    tok = CharTokenizer()
+    specs = [data.CorpusSpec(("ab", "cde", "f"), 3, 0.0, 0), data.CorpusSpec(("ab", "cde", "f"), 3, 1.0, 7)]
+    a, b = data.corpora(target, tok, specs, tmp_path, shard_size=2, log_fn=lambda m: None)
+    assert len(a) == len(b) == 3
+    for s in a + b:
+        assert torch.allclose(s["feats"].float(), data.features(target, s["ids"]), atol=1e-2)
+        assert s["ids"][: s["prompt_len"]].tolist() in [data.chat_ids(tok, p) for p in ("ab", "cde", "f")]
 
 
 def test_corpora_one_call_for_every_spec_and_engine_in_the_key(target, tmp_path, monkeypatch):
     """engine vllm: every missing continuation of every spec goes to ONE generation call (one engine
-    start), in spec then prompt order, each sampled job with its own seed; cached shards are not asked
+    start), prompt-major (a prompt's jobs adjacent), each sampled job with its own seed; cached shards are not asked
     again; the engine is part of the cache key (the transformers corpus is a different one)."""
     from cluster.distill import vllm_gen
 
@@ -130,8 +148,9 @@ def test_corpora_one_call_for_every_spec_and_engine_in_the_key(target, tmp_path,
     specs = [data.CorpusSpec(("ab", "cde", "f"), 2, 0.0, 0), data.CorpusSpec(("gh",), 4, 0.8, 5)]
     kw = dict(engine="vllm", model_path="/m", shard_size=2, log_fn=lambda m: None)
     a, b = data.corpora(target, tok, specs, tmp_path, **kw)
-    assert len(calls) == 1 and [j["prompt_ids"] for j in calls[0]] == [data.chat_ids(tok, p) for p in ("ab", "cde", "f", "gh")]
-    assert [j["temperature"] for j in calls[0]] == [0.0, 0.0, 0.0, 0.8]
+    asked = sorted(zip((j["prompt_ids"] for j in calls[0]), (j["temperature"] for j in calls[0])))
+    assert len(calls) == 1 and asked == sorted([(data.chat_ids(tok, p), 0.0) for p in ("ab", "cde", "f")]
+                                               + [(data.chat_ids(tok, "gh"), 0.8)])
     assert len({j["seed"] for j in calls[0]}) == 4
     assert [s["ids"][s["prompt_len"]:].tolist() for s in a] == [[7, 8, 2]] * 3 and len(b) == 1
     assert a[1]["feats"].shape == (len(a[1]["ids"]), target.config.hidden_size)
@@ -143,6 +162,30 @@ def test_corpora_one_call_for_every_spec_and_engine_in_the_key(target, tmp_path,
         data.corpora(target, tok, specs, tmp_path, engine="vllm")
     with pytest.raises(ValueError, match="engine"):
         data.corpora(target, tok, specs, tmp_path, engine="tgi")
+
+
+def test_corpora_vllm_jobs_prompt_major_and_mapped_back(target, tmp_path, monkeypatch):
+    """Twin corpora's jobs reach the engine with each prompt's jobs adjacent (its prefill shared in
+    the prefix cache), and every continuation comes back to its own corpus and prompt."""
+    from cluster.distill import vllm_gen
+
+    calls = []
+
+    def fake_generate(model_path, jobs, max_model_len, log_fn=print):
+        calls.append(jobs)
+        return [[3 + len(j["prompt_ids"]) % 50, 4 if j["temperature"] else 5] for j in jobs]
+
+    monkeypatch.setattr(vllm_gen, "generate_vllm", fake_generate)
+    tok = CharTokenizer()
+    prompts = ("ab", "cdefg", "h")
+    specs = [data.CorpusSpec(prompts, 2, 0.0, 0), data.CorpusSpec(prompts, 2, 0.8, 1)]
+    greedy, sampled = data.corpora(target, tok, specs, tmp_path, engine="vllm", model_path="/m", shard_size=2,
+                                   log_fn=lambda m: None)
+    asked = [j["prompt_ids"] for j in calls[0]]
+    assert all(asked[k] == asked[k + 1] for k in range(0, len(asked), 2))
+    for part, last in ((greedy, 5), (sampled, 4)):
+        for s, p in zip(part, prompts):
+            assert s["ids"].tolist() == data.chat_ids(tok, p) + [3 + len(data.chat_ids(tok, p)) % 50, last]
 
 
 def test_cap_prompts_drops_long_ones():
@@ -199,3 +242,27 @@ def test_vllm_failure_tail_shows_both_streams():
     assert "child stdout (last 2 lines)" in out and "b\nc" in out and "a" not in out.split("---")[2]
     assert "RuntimeError: boom" in out
     assert failure_tail("", None) == "(the child wrote nothing)"
+
+
+def test_bf16_corpus_is_its_own_engine_dtype_and_cache(target, tmp_path, monkeypatch):
+    """A bf16 training corpus and a float32 one of the same prompts: two generation calls (one
+    engine per dtype, bfloat16 asked for the bf16 one), two cache entries, and bf16 features close
+    to (but not) the float32 ones."""
+    from cluster.distill import vllm_gen
+
+    calls = []
+
+    def fake_generate(model_path, jobs, max_model_len, log_fn=print, dtype="float32"):
+        calls.append((dtype, len(jobs)))
+        return [[7, 8, 9] for _ in jobs]
+
+    monkeypatch.setattr(vllm_gen, "generate_vllm", fake_generate)
+    tok = CharTokenizer()
+    specs = [data.CorpusSpec(("abc", "de"), 3, 0.0, 0), data.CorpusSpec(("abc", "de"), 3, 0.0, 0, bf16=True)]
+    fp, bf = data.corpora(target, tok, specs, tmp_path, engine="vllm", model_path="/m", log_fn=lambda m: None)
+    assert sorted(calls) == [("bfloat16", 2), ("float32", 2)]
+    assert len(list(tmp_path.glob("corpus-*"))) == 2
+    for a, b in zip(fp, bf):
+        assert torch.equal(a["ids"], b["ids"]) and not torch.equal(a["feats"], b["feats"])
+        rel = (a["feats"].float() - b["feats"].float()).norm() / a["feats"].float().norm()
+        assert float(rel) < 0.05

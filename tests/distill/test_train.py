@@ -185,3 +185,23 @@ def test_freeze_copied_trains_only_fc_outputs_and_norm(target):
     assert all(torch.equal(p, frozen[n]) for n, p in drafter.named_parameters() if n in frozen)
     with pytest.raises(SystemExit):
         build_drafter("draft_model", target, 1, seed=0, freeze_copied=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_training_lowers_the_loss_and_keeps_fp32_weights(kind, target, tmp_path):
+    """--bf16: the drafter's forward runs under bfloat16 autocast (the loss is ~ the fp32 one), the
+    weights and optimizer stay fp32, and a few steps of `train` lower the fp32 loss."""
+    drafter = build_drafter(kind, target, 1, seed=0)
+    samples = make_samples(target)
+    cfg = TrainConfig(kind=kind, lr=3e-3, unroll=2, steps=8, warmup=1, batch_seqs=6, max_len=64, bf16=True)
+    batch = collate(samples, max_len=64)
+    with torch.no_grad():
+        fp32, _ = batch_loss(cfg, drafter, target, batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            half, _ = batch_loss(cfg, drafter, target, batch)
+    assert float(half) == pytest.approx(float(fp32), rel=0.05) and float(half) != float(fp32)
+    train(cfg, drafter, target, samples, tmp_path, log_fn=lambda m: None)
+    assert all(p.dtype == torch.float32 for p in drafter.parameters())
+    with torch.no_grad():
+        after, _ = batch_loss(cfg, drafter, target, batch)
+    assert float(after) < float(fp32)

@@ -281,9 +281,13 @@ def corpora(
 ) -> list[list[dict]]:
     """The target's continuations of every spec's prompts, with features (cached in shards).
 
-    engine "vllm": every missing continuation of every spec comes from ONE child vLLM engine
-    (`cluster.distill.vllm_gen`, started once), then features are computed shard by shard;
-    "transformers": batched `generate` here, shard by shard. The engine is part of the cache key.
+    engine "vllm": every missing continuation of every spec comes from ONE child vLLM engine per
+    dtype (`cluster.distill.vllm_gen`; a `bf16` spec gets a bfloat16 engine), its jobs prompt-major
+    so a prompt's continuations share its prefill; "transformers": batched `generate` here. Then
+    features are computed and saved shard by shard, the shards of specs with the same prompts
+    together, each prompt run once (`features_shared_prompt`). An interrupted run keeps the saved
+    shards (the continuations of unsaved ones are generated again). The engine and `bf16` are part
+    of the cache key.
     """
     if engine not in ("vllm", "transformers"):
         raise ValueError(f"engine must be 'vllm' or 'transformers', got {engine!r}")

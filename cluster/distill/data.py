@@ -259,7 +259,7 @@ class CorpusSpec:
     temperature: float
     seed: int
     # The target in bfloat16 for this corpus (vLLM dtype and the features' autocast): ~1.5x faster
-    # generation and ~2.7x faster features on a CPU with AVX512-BF16 (BENCHMARKS 9.7). Its features
+    # generation and ~2.7x faster features on a CPU with AVX512-BF16 (BENCHMARKS 9.2d). Its features
     # are ~0.7% off fp32 ones, well inside the training's own feature noise; for training text, not
     # for the held-out corpus, which stays what a float32 engine serves.
     bf16: bool = False
@@ -346,6 +346,7 @@ def corpora(
     # 2. features of the missing shards: shards of the same prompts (a greedy corpus and its sampled
     #    twins) together, each prompt run once for all its continuations (`features_shared_prompt`)
     groups: dict[tuple, list[tuple[int, int]]] = {}
+    built: dict[Path, list[dict]] = {}  # the shards made here, returned without reading them back
     for si, s, chunk in missing:
         groups.setdefault((specs[si].bf16, tuple(map(tuple, chunk))), []).append((si, s))
     for (bf16, chunk_key), members in groups.items():
@@ -355,7 +356,7 @@ def corpora(
             with amp:
                 fs = features_shared_prompt(target, list(prompt), [conts[m][i] for m in members])
             for m, f in zip(members, fs):
-                feats[m].append(f.float())
+                feats[m].append(f)
         for si, s in members:
             path = plans[si][1][s][1]
             shard = [{"ids": torch.tensor(list(p) + c, dtype=torch.long), "prompt_len": len(p), "feats": f.half()}
@@ -363,8 +364,10 @@ def corpora(
             tmp = path.with_suffix(".tmp")
             torch.save(shard, tmp)
             os.replace(tmp, path)
+            built[path] = shard
             log_fn(f"data: shard {s + 1}/{len(plans[si][1])} (T={specs[si].temperature}, {engine}) -> {path}")
-    return [[x for _, path, _ in shards for x in torch.load(path)] for _, shards in plans]
+    return [[x for _, path, _ in shards for x in (built[path] if path in built else torch.load(path))]
+            for _, shards in plans]
 
 
 def corpus(

@@ -19,6 +19,7 @@ from typing import Optional
 
 DEFAULT_CONFIG = str(Path(__file__).parent / "configs" / "local-cpu.yaml")
 DEFAULT_URL = os.environ.get("SPECSERVE_URL", "http://127.0.0.1:8000")
+RAY_WORKER_NICENESS_ENV = "RAY_worker_niceness"  # Ray's own setting (ray_constants.RAY_WORKER_NICENESS)
 
 
 # -- up -------------------------------------------------------------------------------------------
@@ -45,6 +46,13 @@ def start_cluster(config_path: str, wait_s: float = 900.0):
     try:
         # 4. Ray: join a cluster or start a local one
         local = not config.ray.address
+        if local:
+            # Ray starts its workers at nice 15, and Serve replicas are workers: the vLLM engine of a
+            # replica then yields its core to any ordinary process (a client, a neighbour's server),
+            # stalled past its health check while a stock vLLM server started beside it, and ran at
+            # ~60% of a stock server's speed side by side (BENCHMARKS.md, serving path). The engine
+            # is the workload here, so workers run at the normal priority (read by the raylet).
+            os.environ.setdefault(RAY_WORKER_NICENESS_ENV, "0")
         ray.init(address=config.ray.address, num_cpus=config.ray.num_cpus if local else None,
                  include_dashboard=False, logging_level=logging.WARNING,
                  **({"_metrics_export_port": config.ray.metrics_export_port} if local and config.ray.metrics_export_port else {}),

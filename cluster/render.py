@@ -292,6 +292,8 @@ def _pod(settings: RenderSettings, cfg: ClusterConfig, group: NodeGroup, role: s
     env = [{"name": k, "value": v} for k, v in sorted(settings.env.items())]
     env += [
         {"name": "HOME", "value": "/tmp"},
+        # Ray starts workers (Serve replicas, so the engines) at nice 15 by default: see cluster/cli.py.
+        {"name": "RAY_worker_niceness", "value": "0"},
         {"name": "SPECSERVE_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": settings.redis_secret, "key": "password"}}},
         {"name": "SPECSERVE_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": settings.redis_secret, "key": "url", "optional": True}}},
         {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": settings.hf_secret, "key": "token", "optional": True}}},

@@ -33,6 +33,10 @@ EXTRA_ARGS_K_CAP = "specserve_k_cap"
 # [step, top]: the request's K grows by `step` after a step that accepted all K drafts, up to `top`,
 # and goes back to the admitted K after a rejection (set by the router for policy-chosen K only).
 EXTRA_ARGS_K_GROW = "specserve_k_grow"
+# α of the request's workload class (a float in [0, 1]): the engine's scheduler chooses this
+# request's K at every step, up to its `specserve_k`, from the batch as it is then
+# (`cluster.step_k`; set by the router when the policy, not the caller, chose K).
+EXTRA_ARGS_K_STEP = "specserve_k_step"
 
 # Accepted runs longer than this are counted as this long (`accepted_runs`); 4 x the largest K
 # here, so the cap changes no step count the policy compares.

@@ -21,6 +21,13 @@ its K the same way). A grown K obeys the table's load caps (entries after the fi
 first entry, which is only the largest K admitted at batch 1 (`policy.k_cap_table`). The outcome of
 each step is read in `update_from_output` from what vLLM scheduled and sampled, as vLLM does.
 
+A request may instead carry its class's acceptance (`EXTRA_ARGS_K_STEP`, set by the router when the
+policy chose): then its K at every step is chosen jointly with the whole batch by
+`cluster.step_k.choose_step_ks`, up to its K, from the drafts the proposer found, the request's own
+recent acceptance and the engine's step time, which the scheduler measures on its own decode
+steps (`StepCost`: from the end of `schedule` to `update_from_output`, the model's forward pass,
+sampling and drafting). Requests with a fixed K keep it and count in the step's cost.
+
 Verification and rejection sampling are vLLM's own, so the output distribution is unchanged.
 The decisions are the pure functions `effective_k`, `grown_effective_k` and `next_k`; the class
 only wires them into vLLM.
@@ -29,13 +36,17 @@ only wires them into vLLM.
 from __future__ import annotations
 
 import bisect
+import time
 from typing import Any, Optional, Sequence
 
-from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW
+from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP
+from cluster.step_k import (PRIOR_RELATIVE_COST, RequestDrafts, StepCost, StepCostLine, acceptance, choose_step_ks,
+                            next_acceptance)
 
 # Attributes the scheduler keeps on a vLLM Request: the K state of a growing request, and the
 # effective K its latest drafts were trimmed to.
 _K_STATE, _K_USED = "_specserve_k_state", "_specserve_k_used"
+_ACCEPT = "_specserve_accept"  # (successes, failures) of a per-step-K request's recent drafts
 # Key under vLLM's `additional_config` holding specserve's engine-side settings.
 ADDITIONAL_CONFIG_KEY = "specserve"
 KCapTable = Sequence[tuple[int, int]]  # [(min_batch_size, k_cap), ...] sorted by min_batch_size
@@ -87,6 +98,43 @@ def effective_k(k_requested: int, k_max: int, batch_size: int, table: Optional[K
     k = max(0, min(k_requested, k_max))
     cap = k_cap_for_batch(batch_size, table)
     return k if cap is None else min(k, max(0, cap))
+
+
+def step_alpha_from(extra_args: Optional[dict[str, Any]]) -> Optional[float]:
+    """The class α a per-step-K request carries, or None (a fixed K; malformed values too).
+
+    >>> step_alpha_from({"specserve_k_step": 0.6}), step_alpha_from({"specserve_k_step": "x"}), step_alpha_from(None)
+    (0.6, None, None)
+    >>> step_alpha_from({"specserve_k_step": float("nan")}) is None
+    True
+    """
+    raw = (extra_args or {}).get(EXTRA_ARGS_K_STEP)
+    if raw is None or isinstance(raw, bool):
+        return None
+    try:
+        alpha = float(raw)
+    except (TypeError, ValueError):
+        return None
+    return alpha if 0.0 <= alpha <= 1.0 else None
+
+
+def step_shape(num_scheduled_tokens: dict[str, int], spec_tokens: Optional[dict[str, list]]) -> Optional[tuple[int, int]]:
+    """(requests, drafts verified) of a decode-only step, None when a request prefills in it (its
+    time is not a decode step's).
+
+    >>> step_shape({"a": 1, "b": 4}, {"b": [7, 8, 9]}), step_shape({"a": 300}, {}), step_shape({}, {})
+    ((2, 3), None, None)
+    """
+    if not num_scheduled_tokens:
+        return None
+    spec_tokens = spec_tokens or {}
+    drafts = 0
+    for req_id, n in num_scheduled_tokens.items():
+        d = len(spec_tokens.get(req_id) or ())
+        if n != 1 + d:
+            return None
+        drafts += d
+    return len(num_scheduled_tokens), drafts
 
 
 def growth_from(extra_args: Optional[dict[str, Any]]) -> Optional[tuple[int, int]]:
@@ -157,12 +205,16 @@ def _make_scheduler_cls():
             extra = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {})
             table = extra.get("k_cap_by_batch") or None
             self.k_cap_table = sorted((int(a), int(b)) for a, b in table) if table else None
+            self.step_cost = StepCost()
+            self._step_started: Optional[tuple[float, int, int]] = None  # (perf_counter, requests, drafts)
 
         def _k_for(self, request, batch_size: int, ahead: bool = False) -> int:
             """The request's K this step; `ahead`: the largest it may have once the step in flight
             is judged (its state + step, when it grows), which is what the proposer must draft."""
             extra = request.sampling_params.extra_args if request.sampling_params is not None else None
             k_req = requested_k(extra, self.num_spec_tokens)
+            if step_alpha_from(extra) is not None:
+                return min(k_req, self.num_spec_tokens)  # its ceiling; update_draft_token_ids picks
             table = cap_table_from(extra) or self.k_cap_table
             k_state = getattr(request, _K_STATE, None)
             growth = growth_from(extra) if ahead else None
@@ -174,11 +226,21 @@ def _make_scheduler_cls():
 
         def update_draft_token_ids(self, draft_token_ids) -> None:
             batch_size = len(self.running)
+            rows, choices = [], []  # (index, request) and what the step K choice sees of each
             for i, req_id in enumerate(draft_token_ids.req_ids):
                 request = self.requests.get(req_id)
                 if request is None:
                     continue
+                extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+                alpha = step_alpha_from(extra)
                 k = self._k_for(request, batch_size)
+                drafts = len(draft_token_ids.draft_token_ids[i])
+                if alpha is not None:
+                    alpha = acceptance(alpha, *getattr(request, _ACCEPT, (0.0, 0.0)))
+                rows.append((i, request))
+                choices.append(RequestDrafts(alpha=alpha or 0.0, drafts=drafts, ceiling=k, fixed=alpha is None))
+            line = self.step_cost.line() or StepCostLine(*PRIOR_RELATIVE_COST)
+            for (i, request), k in zip(rows, choose_step_ks(choices, line)):
                 setattr(request, _K_USED, k)
                 drafts = draft_token_ids.draft_token_ids[i]
                 if len(drafts) > k:
@@ -186,8 +248,13 @@ def _make_scheduler_cls():
             super().update_draft_token_ids(draft_token_ids)
 
         def update_from_output(self, scheduler_output, model_runner_output):
-            # Before vLLM's own bookkeeping: the K state of growing requests from this step's outcome
-            # (drafts scheduled, tokens sampled: accepted = sampled - 1, as vLLM counts them).
+            if self._step_started is not None:  # the decode step just run: its time to the cost line
+                t0, n_req, n_drafts = self._step_started
+                self._step_started = None
+                self.step_cost.observe(n_req, n_drafts, time.perf_counter() - t0)
+            # Before vLLM's own bookkeeping: the K state of growing requests and the acceptance of
+            # per-step-K ones from this step's outcome (drafts scheduled, tokens sampled:
+            # accepted = sampled - 1, as vLLM counts them).
             scheduled = scheduler_output.scheduled_spec_decode_tokens
             sampled = model_runner_output.sampled_token_ids
             index = model_runner_output.req_id_to_index
@@ -198,7 +265,14 @@ def _make_scheduler_cls():
                 extra = request.sampling_params.extra_args
                 growth = growth_from(extra)
                 i = index.get(req_id)
-                if growth is None or i is None or i >= len(sampled) or not len(sampled[i]):
+                if i is None or i >= len(sampled) or not len(sampled[i]):
+                    continue
+                if step_alpha_from(extra) is not None:
+                    drafted = sum(1 for t in drafts if t >= 0)
+                    setattr(request, _ACCEPT, next_acceptance(*getattr(request, _ACCEPT, (0.0, 0.0)), drafted,
+                                                              max(len(sampled[i]) - 1, 0)))
+                    continue
+                if growth is None:
                     continue
                 k_base = requested_k(extra, self.num_spec_tokens)
                 k_state = getattr(request, _K_STATE, None)
@@ -219,6 +293,11 @@ def _make_scheduler_cls():
                 batch_size = len(self.running)
                 k_batch = max(self._k_for(r, batch_size, ahead=True) for r in self.running)
                 output.num_spec_tokens_to_schedule = min(output.num_spec_tokens_to_schedule, k_batch)
+            # The cost line is of steps after which the proposer drafts (those the K choice is for):
+            # decode steps only, as a prefill's time is not a decode step's.
+            shape = step_shape(output.num_scheduled_tokens, output.scheduled_spec_decode_tokens)
+            proposing = getattr(output, "num_spec_tokens_to_schedule", 0) > 0
+            self._step_started = None if shape is None or not proposing else (time.perf_counter(), *shape)
             return output
 
     return PerRequestKScheduler

@@ -1,6 +1,7 @@
 import pytest
 
 from cluster.speculation import EXTRA_ARGS_K
+from cluster.step_k import StepCost
 from cluster.vllm_scheduler import effective_k, k_cap_for_batch, requested_k
 
 TABLE = [(1, 6), (4, 3), (16, 0)]
@@ -131,10 +132,12 @@ def _scheduler(monkeypatch, requests: dict):
 
     monkeypatch.setattr(Scheduler, "update_draft_token_ids", lambda self, d: None)
     monkeypatch.setattr(Scheduler, "update_from_output", lambda self, so, mo: {})
-    monkeypatch.setattr(Scheduler, "schedule", lambda self, *a, **kw: SimpleNamespace(num_spec_tokens_to_schedule=6))
+    monkeypatch.setattr(Scheduler, "schedule", lambda self, *a, **kw: SimpleNamespace(
+        num_spec_tokens_to_schedule=6, num_scheduled_tokens={}, scheduled_spec_decode_tokens={}))
     cls = vllm_scheduler.PerRequestKScheduler
     sched = cls.__new__(cls)
     sched.requests, sched.running, sched.num_spec_tokens, sched.k_cap_table = requests, list(requests.values()), 6, None
+    sched.step_cost, sched._step_started = StepCost(), None
     return sched
 
 
@@ -187,3 +190,77 @@ def test_the_proposer_drafts_for_the_k_a_growing_request_may_have_next(monkeypat
         sched.update_draft_token_ids(offered)
         pending = offered.draft_token_ids[0]
     assert verified == [1, 3, 5, 5]
+
+
+def _step(sched, accepted: dict[str, int], offered_n: int = 6) -> dict[str, int]:
+    """One engine step over every request of `sched`: schedule, the proposer offers `offered_n`
+    drafts to each, the scheduler trims them, then the step is judged with `accepted` drafts each.
+    Returns the K each request was given."""
+    from types import SimpleNamespace
+
+    sched.schedule()
+    ids = list(sched.requests)
+    offered = SimpleNamespace(req_ids=ids, draft_token_ids=[list(range(offered_n)) for _ in ids])
+    sched.update_draft_token_ids(offered)
+    kept = dict(zip(ids, offered.draft_token_ids))
+    sched.update_from_output(SimpleNamespace(scheduled_spec_decode_tokens=kept),
+                             SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(ids)},
+                                             sampled_token_ids=[[0] * (min(accepted[r], len(kept[r])) + 1) for r in ids]))
+    return {r: len(kept[r]) for r in ids}
+
+
+def test_per_step_k_follows_each_requests_acceptance(monkeypatch):
+    """A per-step-K request drafts deep while its drafts are accepted and shallow once they are
+    not; a fixed-K request beside it keeps its K whatever happens."""
+    sched = _scheduler(monkeypatch, {"copy": _Req({"specserve_k": 6, "specserve_k_step": 0.5}),
+                                     "fixed": _Req({"specserve_k": 2})})
+    first = _step(sched, {"copy": 6, "fixed": 0})
+    assert first["fixed"] == 2 and 1 <= first["copy"] <= 6
+    for _ in range(4):
+        ks = _step(sched, {"copy": 6, "fixed": 0})
+    assert ks == {"copy": 6, "fixed": 2}  # every draft accepted: the whole ceiling
+    for _ in range(6):
+        ks = _step(sched, {"copy": 0, "fixed": 2})
+    assert ks["fixed"] == 2 and ks["copy"] < first["copy"]  # every draft rejected: fewer drafts
+
+
+def test_per_step_k_never_exceeds_the_ceiling_or_the_drafts_found(monkeypatch):
+    sched = _scheduler(monkeypatch, {"r": _Req({"specserve_k": 3, "specserve_k_step": 1.0})})
+    assert _step(sched, {"r": 6})["r"] == 3
+    assert _step(sched, {"r": 6}, offered_n=1)["r"] == 1
+
+
+def test_per_step_k_drops_drafts_when_the_step_cost_says_the_batch_pays_for_them(monkeypatch):
+    """With a measured cost where a draft token costs as much as a whole request (a saturated
+    CPU), 16 requests at a middling acceptance verify no drafts; the same request alone, where the
+    step's fixed cost dominates, does."""
+    reqs = {f"r{i}": _Req({"specserve_k": 6, "specserve_k_step": 0.5}) for i in range(16)}
+    sched = _scheduler(monkeypatch, reqs)
+    for b in (1, 4, 16):
+        for d in (0, 4, 16):
+            for _ in range(30):
+                sched.step_cost.observe(b, d, 0.05 + 0.01 * b + 0.01 * d + (0.005 if d else 0.0))
+    assert set(_step(sched, {r: 0 for r in reqs}).values()) == {0}
+    alone = _scheduler(monkeypatch, {"r": _Req({"specserve_k": 6, "specserve_k_step": 0.5})})
+    alone.step_cost = sched.step_cost
+    assert _step(alone, {"r": 0})["r"] >= 1
+
+
+def test_decode_steps_feed_the_step_cost_and_prefill_steps_do_not(monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    sched = _scheduler(monkeypatch, {"r": _Req({"specserve_k": 6, "specserve_k_step": 0.5})})
+    shapes = iter([({"r": 300}, {}), ({"r": 3}, {"r": [1, 2]}), ({"r": 1}, {})])
+
+    def schedule(self, *a, **kw):
+        n, spec = next(shapes)
+        return SimpleNamespace(num_spec_tokens_to_schedule=6, num_scheduled_tokens=n, scheduled_spec_decode_tokens=spec)
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    empty = (SimpleNamespace(scheduled_spec_decode_tokens={}), SimpleNamespace(req_id_to_index={}, sampled_token_ids=[]))
+    for _ in range(3):
+        sched.schedule()
+        sched.update_from_output(*empty)
+    assert sched.step_cost.steps == 2  # the prefill step was not a decode step

@@ -151,6 +151,16 @@ class PoolConfig(_Strict):
         None, ge=1, le=16,
         description="The largest K growth reaches (bounded by max_k, so lowering max_k needs no edit here; unset: max_k).",
     )
+    step_k: bool = Field(
+        True,
+        description=(
+            "Requests whose K the policy decides get it from the engine's scheduler at every step, up to "
+            "max_k, from the batch as it is then: each draft verified only where it raises the batch's "
+            "expected tokens per second (cluster/step_k.py). false: the policy's K at admission, capped per "
+            "step by the load table and grown by k_grow_step. No effect for methods none and remote_draft "
+            "(whose drafter drafts the K it is asked)."
+        ),
+    )
     ngram_min: int = Field(2, ge=1, description="n-gram method: shortest prompt match.")
     ngram_max: int = Field(5, ge=1, description="n-gram method: longest prompt match.")
     replicas: int = Field(1, ge=1, description="Replicas when autoscaling is not set.")
@@ -252,6 +262,11 @@ class PoolConfig(_Strict):
             raise ValueError(f"k_grow_step: method {self.method.value!r} cannot grow K "
                              "(none drafts nothing; remote_draft's drafter drafts the K it was asked)")
         return self
+
+    @property
+    def uses_step_k(self) -> bool:
+        """Whether policy-decided requests get their K per step in the engine (`step_k`)."""
+        return self.step_k and self.max_k > 0 and self.method not in (SpecMode.NONE, SpecMode.REMOTE_DRAFT)
 
     @property
     def modes(self) -> list[SpecMode]:

@@ -65,7 +65,8 @@ class Decision:
 # What a response reports of its decision (`specserve.decision`, HTTP): the load bucket it was
 # admitted at, the batch it joined and, for a policy decision, the scores behind the choice.
 DECISION_FIELDS = ("load_bucket", "join_batch", "alpha", "draft_rate", "score", "scores", "k_scores", "hysteresis",
-                   "k_uncapped")  # k_uncapped: the policy's K before the per-step cap table cut it at admission
+                   "k_uncapped",  # the policy's K before the per-step cap table cut it at admission
+                   "k_step_alpha")  # the class α a per-step-K request started from (`per_step_k`)
 
 
 def decision_summary(d: Decision) -> dict:
@@ -239,6 +240,27 @@ def route(
     from cluster.policy import choose_auto
 
     return choose_auto(pools, router, workload_class, tuning)
+
+
+def per_step_k(decision: Decision, pool: PoolConfig, class_alpha: float) -> Decision:
+    """A policy decision on a pool that chooses K per step (`PoolConfig.step_k`) runs the pool's
+    method up to its max_k, the engine choosing K at every step from the batch and the request's
+    acceptance, which starts at its class's α (`cluster.step_k`). Other decisions are unchanged:
+    a K the caller named stays fixed.
+
+    >>> p = PoolConfig(model="m", method="ngram", max_k=6)
+    >>> d = per_step_k(Decision("ngram", SpecMode.NONE, 0, "policy"), p, 0.42); (d.mode.value, d.k, d.detail)
+    ('ngram', 6, {'k_step_alpha': 0.42, 'k_policy': 0})
+    >>> per_step_k(Decision("ngram", SpecMode.NGRAM, 3, "request"), p, 0.42).k
+    3
+    >>> per_step_k(Decision("ngram", SpecMode.NGRAM, 3, "policy"), p.model_copy(update={"step_k": False}), 0.4).k
+    3
+    """
+    if decision.decided_by != "policy" or not pool.uses_step_k:
+        return decision
+    alpha = min(max(float(class_alpha), 0.0), 1.0)
+    return replace(decision, mode=pool.method, k=pool.max_k,
+                   detail={**decision.detail, "k_step_alpha": round(alpha, 4), "k_policy": decision.k})
 
 
 def growth_rule(pool: PoolConfig, decision: Decision, k_grow: Optional[int] = None) -> Optional[tuple[int, int]]:

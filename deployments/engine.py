@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 from cluster.autoscale import LatencyWindow
 from cluster.config import PoolConfig
 from cluster.placement import platform_engine_kwargs
-from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, SpecMode, SpecStats, accepted_runs
+from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP, SpecMode, SpecStats, accepted_runs
 from cluster.vllm_scheduler import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS_PATH
 
 log = logging.getLogger("specserve.engine")
@@ -44,6 +44,7 @@ class EngineRequest:
     ignore_eos: bool = False
     k_cap_by_batch: Optional[list[tuple[int, int]]] = None  # pool's per-step cap table from the tuner
     k_grow: Optional[tuple[int, int]] = None  # (step, top): K grows within the request (vllm_scheduler)
+    k_step_alpha: Optional[float] = None  # class α: the engine picks K (<= k) at every step (cluster.step_k)
 
 
 @dataclass
@@ -208,7 +209,8 @@ class EngineServer:
             output_kind=RequestOutputKind.DELTA,
             extra_args={EXTRA_ARGS_K: int(req.k),
                         **({EXTRA_ARGS_K_CAP: [list(e) for e in req.k_cap_by_batch]} if req.k_cap_by_batch else {}),
-                        **({EXTRA_ARGS_K_GROW: [int(x) for x in req.k_grow]} if req.k_grow else {})},
+                        **({EXTRA_ARGS_K_GROW: [int(x) for x in req.k_grow]} if req.k_grow else {}),
+                        **({EXTRA_ARGS_K_STEP: float(req.k_step_alpha)} if req.k_step_alpha is not None else {})},
         )
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:

@@ -18,8 +18,8 @@ from typing import Any, AsyncIterator, Callable, Optional
 from cluster.api import ApiError, ErrorCode, GenerateRequest, from_openai
 from cluster.auth import AUTH_ERROR_MESSAGE, ApiKeyStore, bearer_from_grpc, bearer_from_http
 from cluster.config import ClusterConfig
-from cluster.policy import load_bucket
-from cluster.routing import (Decision, LoadMeter, PoolView, cap_at_admission, decision_summary, growth_rule, load_domain, pool_load,
+from cluster.policy import class_model, load_bucket
+from cluster.routing import (Decision, LoadMeter, PoolView, cap_at_admission, decision_summary, growth_rule, load_domain, per_step_k, pool_load,
                              pool_views, resolve_model, route, with_load)
 from cluster.wire import Completion, openai_chunk, openai_error_event, openai_response
 from deployments.engine import EngineChunk, EngineRequest
@@ -142,19 +142,31 @@ class Router:
         model, d = self.decide(req)
         # The load cap adapts the policy's choices only; an explicit K from the caller is kept. The
         # decision's K is the one the cap allows at the batch the request joins: the K that runs.
-        caps = self._cap_table(model, d.pool) if d.k and d.decided_by == "policy" else None
-        if caps:
-            d = cap_at_admission(d, caps, d.detail.get("join_batch", 1.0))
         pool = self.config.pools[d.pool]
+        caps = None
+        if d.decided_by == "policy" and pool.uses_step_k:  # the engine picks K per step, from the class's α
+            d = per_step_k(d, pool, self._class_alpha(model, d))
+        elif d.k and d.decided_by == "policy":
+            caps = self._cap_table(model, d.pool)
+            if caps:
+                d = cap_at_admission(d, caps, d.detail.get("join_batch", 1.0))
         ereq = EngineRequest(
             request_id=rid, mode=d.mode.value, k=d.k, prompt=req.prompt,
             messages=[m.model_dump() for m in req.messages] if req.messages else None,
             max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
             stop=list(req.stop), logprobs=req.logprobs, ignore_eos=req.ignore_eos,
             k_cap_by_batch=caps if d.k else None,
-            k_grow=growth_rule(pool, d, req.speculative.k_grow if req.speculative else None),
+            k_grow=None if "k_step_alpha" in d.detail else growth_rule(pool, d, req.speculative.k_grow if req.speculative else None),
+            k_step_alpha=d.detail.get("k_step_alpha"),
         )
         return model, d, ereq
+
+    def _class_alpha(self, model: str, d: Decision) -> float:
+        """α of the decision's class for its pool's method: learned from traffic (the tuning state),
+        else the pool's prior."""
+        view = self.views[d.pool]
+        tuning = self.tuning.snapshot(model) if self.tuning is not None else None
+        return class_model(tuning, view.method.value, d.workload_class, view.prior_alpha)[0]
 
     def _cap_table(self, model: str, pool_name: str, max_age_s: float = 1.0) -> Optional[list[tuple[int, int]]]:
         """The pool's per-step K cap by batch size from the tuned state (recomputed at most every second)."""

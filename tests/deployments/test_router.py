@@ -68,8 +68,12 @@ def post(router, body, path="/v1/chat/completions"):
     return asyncio.run(router(Request(scope, receive)))
 
 
-def make_router(make_call):
+def make_router(make_call, step_k: bool = True, **ngram_update):
     cfg = load_config(CONFIG)
+    if not step_k:
+        cfg.pools = {name: pool.model_copy(update={"step_k": False}) for name, pool in cfg.pools.items()}
+    if ngram_update:
+        cfg.pools["ngram"] = cfg.pools["ngram"].model_copy(update=ngram_update)
     handles = {name: FakeHandle(make_call) for name in cfg.pools}
     return Router(cfg, handles), handles
 
@@ -133,8 +137,21 @@ def test_the_response_reports_the_load_bucket_and_scores_behind_its_decision():
     assert explicit == {"load_bucket": "1"}  # the caller's K: no scores, only the load it met
 
 
-def test_a_policy_k_is_capped_at_admission_as_the_engine_will_cap_it():
+def test_a_policy_decision_lets_the_engine_pick_k_per_step_from_the_class_alpha():
     router, handles = make_router(lambda: FakeCall([FINAL]))
+    body = {"messages": [{"role": "user", "content": "Summarize: the cat sat on the mat. The cat sat."}], "max_tokens": 4}
+    _, d, req = router.plan(_req(body))
+    pool = router.config.pools[d.pool]
+    assert d.decided_by == "policy" and (req.mode, req.k) == (pool.method.value, pool.max_k)
+    assert 0.0 < req.k_step_alpha < 1.0 and d.detail["k_step_alpha"] == req.k_step_alpha
+    assert req.k_cap_by_batch is None and req.k_grow is None  # the per-step choice replaces both
+    # An explicit K is the caller's: fixed, no per-step choice.
+    _, d, req = router.plan(_req(BODY))
+    assert (d.k, req.k, req.k_step_alpha) == (2, 2, None)
+
+
+def test_a_policy_k_is_capped_at_admission_as_the_engine_will_cap_it():
+    router, handles = make_router(lambda: FakeCall([FINAL]), step_k=False)
     body = {"messages": [{"role": "user", "content": "Summarize: the cat sat on the mat. The cat sat."}], "max_tokens": 4}
     _, uncapped, _ = router.plan(_req(body))
     assert uncapped.decided_by == "policy" and uncapped.k > 1  # what the policy picks from priors
@@ -367,9 +384,9 @@ def test_policy_cap_table_uses_the_pools_configured_priors():
 
 
 def test_a_policy_k_grows_in_the_engine_an_explicit_one_only_when_asked():
-    router, handles = make_router(lambda: FakeCall([FINAL]))
+    router, handles = make_router(lambda: FakeCall([FINAL]), step_k=False, k_grow_step=2, k_grow_max=5)
     pool = router.config.pools["ngram"]
-    assert (pool.k_grow_step, pool.k_grow_max) == (2, 5)  # the embedded default grows a policy K
+    assert (pool.k_grow_step, pool.k_grow_max) == (2, 5)  # a pool that grows a policy K
     body = {"messages": [{"role": "user", "content": "Summarize: the cat sat on the mat. The cat sat."}], "max_tokens": 4}
     router._cap_table = lambda model, pool, max_age_s=1.0: [(1, 3)]
     _, d, req = router.plan(_req(body))

@@ -141,3 +141,53 @@ def test_k_grows_within_a_request_while_its_drafts_are_accepted(cluster):
     assert len(pos) <= top and pos[2] > 0, grown  # 1 -> 3 -> 5 on a copy
     # Fewer steps by a margin a K stuck at 1 cannot reach (the first A/B's fault: growth undone each step).
     assert grown["accepted"] > fixed["accepted"] and grown["steps"] < 0.8 * fixed["steps"], (grown, fixed)
+
+
+def test_router_decided_requests_get_their_k_per_step_in_the_engine(cluster):
+    """`auto` on the ngram pool: the request carries its class's α and the pool's max_k as a
+    ceiling, and the engine's scheduler picks K at every step (cluster/step_k.py): on a copy it
+    drafts past any small fixed K, in fewer steps than plain decoding, with the same greedy text."""
+    text = ("Repeat the following paragraph word for word: The quick brown fox jumps over the lazy dog. "
+            "A journey of a thousand miles begins with a single step. All that glitters is not gold.")
+
+    async def run():
+        async with httpx.AsyncClient() as client:
+            plain = await chat(client, cluster.http_url, text, 64, {"mode": "none"})
+            auto = await chat(client, cluster.http_url, text, 64)
+            return plain, auto
+
+    plain, auto = (r["specserve"] for r in asyncio.run(run()))
+    assert auto["token_ids"] == plain["token_ids"], "greedy text changed"
+    assert auto["decided_by"] == "policy" and auto["pool"] == "ngram" and auto["mode"] == "ngram"
+    assert 0.0 < auto["decision"]["k_step_alpha"] < 1.0, auto["decision"]
+    pos = auto["drafted_per_position"]
+    assert len(pos) <= auto["k"] and len(pos) > 2 and pos[2] > 0, auto  # deep drafts on the copy
+    assert auto["steps"] < 0.8 * plain["steps"], (auto, plain)
+
+
+def test_engines_run_at_normal_priority(cluster):
+    """Ray starts workers at nice 15; an engine there yields its core to any ordinary process
+    (a client, a stock server beside it) and once missed its health check that way."""
+    import os
+
+    out = subprocess.run(["ps", "-eo", "pid,ni,comm"], capture_output=True, text=True, check=True).stdout
+    engines = [line.split() for line in out.splitlines() if "VLLM::" in line]
+    mine = [(int(pid), int(ni)) for pid, ni, _ in engines if _descends_from(int(pid), cluster.proc.pid)]
+    assert mine, "no vLLM engine process under the cluster's `specserve up`"
+    assert all(ni == 0 for _, ni in mine), mine
+    assert all(os.getpriority(os.PRIO_PROCESS, pid) == 0 for pid, _ in mine)
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    """Whether `pid` is `ancestor` or below it (Ray's raylet is started by `specserve up`)."""
+    seen = 0
+    while pid > 1 and seen < 64:
+        if pid == ancestor:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        seen += 1
+    return False

@@ -223,7 +223,8 @@ def parse_chunk(payload: str, arrival_s: float) -> Optional[StreamChunk]:
     # whole output (collect_stream tells which).
     is_final_stats = finish is not None and any(key in ext for key in ("steps", "mode", "drafted"))
     spec = SpecInfo.from_dict(ext) if is_final_stats else None
-    new_ids = [int(t) for t in ext.get("token_ids") or []]
+    # specserve sends the chunk's tokens in its extension; stock vLLM, asked `return_token_ids`, in the choice.
+    new_ids = [int(t) for t in (ext["token_ids"] if "token_ids" in ext else choice.get("token_ids")) or []]
     return StreamChunk(text=text, token_ids=new_ids, finish_reason=finish, usage=obj.get("usage"),
                        spec=spec, arrival_s=arrival_s, raw=obj)
 

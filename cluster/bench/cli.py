@@ -1,16 +1,17 @@
-"""`specserve bench`: compare speculation configurations side by side on a running cluster.
+"""`specserve bench`: compare speculation configurations side by side on a running cluster, and
+against stock vLLM servers (anchors) run with the same model and engine arguments.
 
-`add_arguments(parser)` declares the options; `run(args) -> int` runs the phases below against the
-public HTTP API only, and writes `results/<YYYYmmdd-HHMMSS>-<git rev>/`. Exit code: 0 done,
+`add_arguments(parser)` declares the options; `run(args) -> int` runs the phases against the public
+HTTP APIs only, and writes `results/<YYYYmmdd-HHMMSS>-<git rev>/`. Exit code: 0 done,
 1 a greedy output changed at a large logit gap (a losslessness bug) or no request succeeded,
-2 the cluster could not be reached or an argument is invalid.
+2 the cluster or a stock server could not be reached or started, or an argument is invalid.
 
-Phases: 1. plan and estimate; 2. warm-up (excluded): the no-speculation greedy reference with
-top-2 logprobs, every prompt primed in every mode's pool, one request per configuration;
-3. greedy comparison at one stream, interleaved, repeated; 4. sampled comparison; 5. closed-loop
-concurrency sweep, in rounds: at each level every sweep configuration runs one short phase per
-round, in an order rotated and reversed from round to round (`plan.sweep_round_orders`), and the
-report pools each configuration's rounds; 6. open-loop Poisson arrivals; 7. report.
+Steps of `run`: 1. inputs (prompts, the served model, its pools); 2. configurations: the cluster's
+(`--configs`) and the baselines (`cluster.bench.anchors`); 3. the trace's schedule
+(`cluster.bench.trace`); 4. plan and estimate (`--dry-run` stops here); 5. start the stock servers;
+6. the measured phases (`cluster.bench.phases`: warm-up, one-stream comparison, closed-loop sweep,
+trace replay, Poisson); 7. stop the stock servers, summary and report (`cluster.bench.report`, with
+the verdicts against the anchors of `cluster.bench.verdict`).
 """
 
 from __future__ import annotations
@@ -21,14 +22,19 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
+from cluster.bench import anchors as A
 from cluster.bench import plan as P
-from cluster.bench.metrics import Sample, Slo, best_k_per_mode, group_by, repeat_spread
+from cluster.bench import trace as T
+from cluster.bench.metrics import Sample, Slo
+from cluster.bench.phases import PhaseRun, estimate, log, print_estimate, run_phases
 from cluster.bench.report import build_summary, git_short_rev, render_markdown, results_dir, write_results
-from cluster.bench.runner import Job, Runner
+from cluster.bench.split import ALL, SPLITS, keep
 from cluster.bench.workload import DEFAULT_PROMPTS_PATH, interleave_tasks, load_prompts, select
-from cluster.client import DEFAULT_URL, AsyncSpecServeClient, ClientError, SpecServeClient
+from cluster.client import DEFAULT_URL, ClientError, SpecServeClient
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local-cpu.yaml"
 
 # Presets: --quick finishes in a few minutes on 2 CPU cores (SmolLM2-135M, ~10-20 tok/s one stream);
 # the full defaults are sized by `plan.estimate_s` to stay under 65 minutes there (at 12 tok/s: 27 of
@@ -50,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--api-key", default=None, help="Bearer token, if the cluster asks for one.")
     a("--quick", action="store_true", help="Small run (a few minutes on 2 CPU cores).")
     a("--prompts", default=str(DEFAULT_PROMPTS_PATH), help="Spec-Bench-format JSONL (question_id, category, turns).")
+    a("--split", default=ALL, choices=SPLITS,
+      help="Which fixed half of the prompts to use (cluster/bench/split.py): tune on 'tune', report on "
+           "'untouched' (default: all).")
     a("--tasks", default=None, help="Comma-separated tasks or categories to keep (default: all).")
     a("--prompts-per-task", type=int, default=None, help="Prompts drawn per task (quick 2, full 2).")
     a("--max-prompt-chars", type=int, default=6000, help="Skip longer prompts (they would not fit the context).")
@@ -66,7 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="Configurations of the sampled comparison; 'best' = each mode at its fastest greedy K, "
            "'all' = the greedy list (default none,best,auto).")
     a("--concurrency", default=None, help="Closed-loop stream counts (quick '1,4', full '1,2,4,8,16,32').")
-    a("--sweep-configs", default=None, help="Configurations of the load phases (default none,best,auto).")
+    a("--sweep-configs", default=None,
+      help="Configurations of the load phases and the trace: names, 'best', 'all', 'stock' (every baseline) "
+           "(default none,best,auto, and every baseline when there are baselines).")
     a("--sweep-rounds", type=int, default=None,
       help="Rounds per load level: each round runs every sweep configuration for one phase, the order "
            "rotated and reversed from round to round; the report pools the rounds and shows the per-round "
@@ -88,6 +99,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--results-dir", default="results", help="Root folder of the results.")
     a("--no-plots", action="store_true", help="Skip the PNG plots.")
     a("--dry-run", action="store_true", help="Print the plan and the estimate, then stop.")
+    g = parser.add_argument_group("stock-vLLM anchors (cluster.bench.anchors)").add_argument
+    g("--baseline", action="append", default=[], metavar="NAME=SPEC",
+      help="A stock vLLM server to compare with (repeatable): SPEC is a vLLM speculative-config JSON object "
+           "or 'none'. The bench starts it with the model, dtype, engine arguments and environment of "
+           "--baseline-pool's engine and stops it at the end; it runs in every phase like a configuration.")
+    g("--baselines", default=None,
+      help="Shorthand baselines, comma list: default (stock-none, stock-ngram:K for K = 1..max_k, "
+           "stock-table: n-gram with vLLM's K-by-batch-size table), none, ngram:K, ngram:*, table.")
+    g("--baseline-url", action="append", default=[], metavar="NAME=URL",
+      help="A stock server already running (repeatable; neither started nor stopped by the bench).")
+    g("--config", default=str(DEFAULT_CONFIG), help="The cluster's config (the baselines copy one of its pools).")
+    g("--baseline-pool", default=None, help="The pool the baselines copy (default: the first n-gram pool).")
+    g("--skip-memory-check", action="store_true",
+      help="Start the baselines even if their estimated memory exceeds the machine's available memory.")
+    t = parser.add_argument_group("trace replay (cluster.bench.trace)").add_argument
+    t("--trace", default=None, metavar="RATE:S,...",
+      help="Poisson segments (req/s : seconds), seeded by --seed, e.g. 0.08:90,0.6:60,0.08:90 (idle, burst, idle).")
+    t("--trace-file", default=None,
+      help="A CSV with a timestamp column (Azure LLM inference trace: TIMESTAMP,ContextTokens,GeneratedTokens; "
+           "ISO or plain-seconds timestamps); GeneratedTokens, capped at --max-tokens, sets each max_tokens.")
+    t("--trace-rate", type=float, default=None, help="--trace-file: rescale time so the mean rate is this (req/s).")
+    t("--trace-window", dest="trace_window_s", type=float, default=None,
+      help="Keep the arrivals of the first this many seconds (after rescaling).")
+    t("--trace-max-requests", type=int, default=None, help="Keep at most this many arrivals.")
+    t("--trace-rounds", type=int, default=3,
+      help="Rounds of the replay: every sweep configuration replays the same schedule once per round, "
+           "the order rotated and reversed from round to round (3).")
 
 
 def _resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -116,72 +154,107 @@ def _floats(text: str, name: str) -> list[float]:
         raise ValueError(f"{name}: expected comma-separated numbers, got {text!r}") from None
 
 
-def _expand(spec: str, greedy_configs: list[P.BenchConfig], best: dict[str, str],
-            max_k: dict[str, int]) -> list[P.BenchConfig]:
-    """A config list that may name 'best' (each mode's fastest greedy K) or 'all' (the greedy list)."""
-    by_name = {c.name: c for c in greedy_configs}
-    out: list[P.BenchConfig] = []
-    for token in (t.strip() for t in spec.split(",")):
-        if token == P.BEST:
-            picked = [by_name[name] for name in best.values()]
-        elif token == "all":
-            picked = list(greedy_configs)
-        elif token:
-            picked = P.parse_config(token, max_k)
-        else:
-            picked = []
-        out += [c for c in picked if c not in out]
-    return out
+def _inputs(args: argparse.Namespace):
+    """Step 1: temperatures, stream counts, the prompt file, the task filter and the selected prompts."""
+    temperatures = _floats(args.temperatures, "--temperatures")
+    levels = _ints(args.concurrency, "--concurrency")
+    for name, value in (("--sweep-rounds", args.sweep_rounds), ("--trace-rounds", args.trace_rounds)):
+        if value < 1:
+            raise ValueError(f"{name}: expected a positive integer, got {value}")
+    if args.sweep_requests is not None and args.sweep_requests < 1:
+        raise ValueError(f"--sweep-requests: expected a positive integer, got {args.sweep_requests}")
+    prompts_all = keep(load_prompts(args.prompts), args.split)
+    tasks = [t.strip() for t in args.tasks.split(",")] if args.tasks else None
+    prompts = select(prompts_all, args.prompts_per_task, args.seed, tasks, args.max_prompt_chars)
+    if not prompts:
+        raise ValueError("no prompt left after --tasks / --max-prompt-chars")
+    return temperatures, levels, prompts_all, tasks, prompts
 
 
-def _count_best(spec: str, greedy_configs: list[P.BenchConfig]) -> int:
-    """Configurations a list will hold once 'best' is known (for the estimate)."""
-    modes = {c.mode for c in greedy_configs if c.is_speculative and c.k is not None}
-    n = 0
-    for token in (t.strip() for t in spec.split(",") if t.strip()):
-        n += len(modes) if token == P.BEST else len(greedy_configs) if token == "all" else 1
-    return n
+def _baselines(args: argparse.Namespace, model_id: str, configs: list[P.BenchConfig],
+               max_k: Optional[dict[str, int]]) -> tuple[list[A.Baseline], Optional[str], Any, Any]:
+    """Step 2: the baselines (--baselines, --baseline, --baseline-url), and for the ones the bench
+    starts the pool they copy and the cluster config (ValueError naming the flag)."""
+    explicit = [A.parse_baseline(t) for t in args.baseline]
+    external = [A.parse_baseline_url(t) for t in args.baseline_url]
+    pool_name = pool = config = None
+    if args.baselines or explicit:
+        from cluster.config import load_config
+
+        config = load_config(args.config)
+        pool_name, pool = A.choose_pool(config, args.baseline_pool)
+        if pool.model != model_id:
+            raise ValueError(f"--baseline-pool {pool_name}: its model is {pool.model!r}, the cluster under test "
+                             f"serves {model_id!r} (--config {args.config})")
+    short = A.parse_baselines(args.baselines, pool, pool_name or "?") if args.baselines else []
+    taken = {c.name for c in configs} | set(max_k or {})
+    return A.merge_baselines([short, explicit, external], taken), pool_name, pool, config
 
 
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+def _stock_servers(args: argparse.Namespace, baselines: list[A.Baseline], pool, config, model_id: str,
+                   folder: Path) -> list[A.StockServer]:
+    """Step 5: the stock servers to start (their logs in the results folder), after a memory check."""
+    started = [b for b in baselines if not b.url]
+    if not started:
+        return []
+    from cluster.models import resolve_model
+    from cluster.placement import vllm_cpu_build
+
+    servers = A.plan_servers(started, pool, resolve_model(pool.model, config), model_id,
+                             config.models[pool.model].dtype, folder)
+    if vllm_cpu_build() and not args.skip_memory_check:
+        need, free = A.memory_needed_gib(servers[0].env, len(servers)), A.mem_available_gib()
+        if free is not None and need > free:
+            raise ValueError(f"{len(servers)} stock servers need about {need:.1f} GiB (KV cache + "
+                             f"{A.STOCK_OVERHEAD_GIB} GiB each), {free:.1f} GiB is available: pass fewer baselines "
+                             "(or --skip-memory-check)")
+    return servers
 
 
-def _print_estimate(title: str, est: dict[str, float]) -> None:
-    parts = ", ".join(f"{k} {v / 60:.1f}" for k, v in est.items() if k != "total" and v > 0)
-    _log(f"{title}: about {est['total'] / 60:.1f} min ({parts} min)")
+def _print_plan(run_: PhaseRun, args, baselines: list[A.Baseline], pool_name: Optional[str],
+                trace_source: str, n_started: int) -> None:
+    levels, prompts, configs = run_.levels, run_.prompts, run_.configs
+    log(f"bench: model {run_.model} at {args.url}; {len(prompts)} prompts in {len({p.task for p in prompts})} tasks, "
+        f"max_tokens {args.max_tokens}; configs: {', '.join(c.name for c in configs)}; temperatures "
+        f"{run_.temperatures}; streams {levels}; sweep {run_.sweep_spec} in {args.sweep_rounds} rounds of "
+        f"{', '.join(str(P.sweep_requests(c, len(prompts), per_phase=args.sweep_requests)) for c in levels if c > 1)}"
+        f" requests per phase; open loop {args.rate or 'off'} req/s")
+    if baselines:
+        log(f"bench: baselines (stock vLLM" + (f", started like pool {pool_name}'s engine" if pool_name else "")
+            + "): " + "; ".join(b.describe() for b in baselines))
+    if run_.arrivals:
+        shape = T.schedule_shape(run_.arrivals)
+        log(f"bench: trace {trace_source}: {shape['arrivals']} arrivals over {shape['span_s']:.0f} s (mean "
+            f"{shape['mean_rate_rps']:.3f} req/s), {shape['prompts']} prompts, replayed in {args.trace_rounds} rounds "
+            f"by the sweep configurations")
+    print_estimate(f"bench: estimate at {args.assumed_tokens_per_s:g} tok/s one stream",
+                   estimate(run_, args.assumed_tokens_per_s, n_started))
 
 
 def run(args: argparse.Namespace) -> int:
+    sweep_given = args.sweep_configs is not None
     args = _resolve(args)
+    # 1. Inputs.
     try:
-        temperatures = _floats(args.temperatures, "--temperatures")
-        levels = _ints(args.concurrency, "--concurrency")
-        if args.sweep_rounds < 1:
-            raise ValueError(f"--sweep-rounds: expected a positive integer, got {args.sweep_rounds}")
-        if args.sweep_requests is not None and args.sweep_requests < 1:
-            raise ValueError(f"--sweep-requests: expected a positive integer, got {args.sweep_requests}")
-        prompts_all = load_prompts(args.prompts)
-        tasks = [t.strip() for t in args.tasks.split(",")] if args.tasks else None
-        prompts = select(prompts_all, args.prompts_per_task, args.seed, tasks, args.max_prompt_chars)
-        if not prompts:
-            raise ValueError("no prompt left after --tasks / --max-prompt-chars")
+        temperatures, levels, prompts_all, tasks, prompts = _inputs(args)
         with SpecServeClient(args.url, timeout_s=30.0, api_key=args.api_key) as c:
             models = c.models()
     except (ValueError, OSError) as e:
-        _log(f"bench: {e}")
+        log(f"bench: {e}")
         return 2
     except ClientError as e:
-        _log(f"bench: cannot list models at {args.url}: {e}")
+        log(f"bench: cannot list models at {args.url}: {e}")
         return 2
     if not models:
-        _log("bench: the cluster serves no model")
+        log("bench: the cluster serves no model")
         return 2
     model = next((m for m in models if m.id == args.model), None) if args.model else models[0]
     if model is None:
-        _log(f"bench: model {args.model!r} not served; served: {[m.id for m in models]}")
+        log(f"bench: model {args.model!r} not served; served: {[m.id for m in models]}")
         return 2
     max_k = P.mode_max_k(model.pools) if model.pools else None
+
+    # 2. Configurations: the cluster's, then the baselines; 3. the trace's arrival offsets.
     try:
         if args.configs:
             configs = P.parse_configs(args.configs, max_k)
@@ -189,143 +262,85 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("the server lists no pools for this model: pass --configs")
         else:
             configs = (P.quick_configs if args.quick else P.discover_configs)(model.pools)
-    except ValueError as e:
-        _log(f"bench: {e}")
+        baselines, pool_name, pool, config = _baselines(args, model.id, configs, max_k)
+        offsets, generated, trace_source = T.offsets_from_args(args, args.seed)
+    except (ValueError, OSError) as e:
+        log(f"bench: {e}")
         return 2
+    configs = configs + [b.config() for b in baselines]
+    sweep_spec = args.sweep_configs + (f",{P.STOCK}" if baselines and not sweep_given else "")
 
-    # 1. Plan and estimate.
-    sampled_temps = [t for t in temperatures if t > 0]
+    # 4. Plan and estimate. The load phases' prompts: fresh ones for every round where the file has
+    # enough, tasks round-robin so that every phase (the next n of the cycled list) holds every task.
     n_tasks = len({p.task for p in prompts})
-    # The sweep's prompts: fresh ones for every round where the file has enough, tasks round-robin so
-    # that every phase (the next n of the cycled list) holds every task.
     need = max([P.sweep_requests(c, len(prompts), per_phase=args.sweep_requests) * args.sweep_rounds
-                for c in levels if c > 1] + [args.max_requests if args.rate else 0, 0])
+                for c in levels if c > 1] + [args.max_requests if args.rate else 0, len(offsets)])
     sweep_prompts = interleave_tasks(select(prompts_all, max(1, math.ceil(need / max(n_tasks, 1))), args.seed + 1,
                                             tasks, args.max_prompt_chars)) if need else []
     shape = P.PlanShape(
         n_compare_configs=len(configs), n_prompts=len(prompts), max_tokens=args.max_tokens,
-        greedy_repeats=args.repeats if 0 in temperatures else 0, sampled_temperatures=len(sampled_temps),
-        sampled_repeats=args.sampled_repeats, n_sweep_configs=_count_best(args.sweep_configs, configs),
-        concurrency_levels=tuple(levels), n_sweep_prompts=len(prompts),
-        poisson_duration_s=args.duration_s if args.rate else 0.0,
-        n_warmup_modes=len({c.mode for c in configs if c.mode not in (None, P.NONE)}),
-        sweep_rounds=args.sweep_rounds, sweep_requests_per_phase=args.sweep_requests,
-    )
-    shape_sampled = _count_best(args.sampled_configs, configs)
-    est = P.estimate_s(shape, args.assumed_tokens_per_s)
-    est["compare_sampled"] *= shape_sampled / max(len(configs), 1)
-    est["total"] = sum(v for k, v in est.items() if k != "total")
-    _log(f"bench: model {model.id} at {args.url}; {len(prompts)} prompts in {n_tasks} tasks, max_tokens "
-         f"{args.max_tokens}; configs: {', '.join(c.name for c in configs)}; temperatures {temperatures}; "
-         f"streams {levels}; sweep {args.sweep_configs} in {args.sweep_rounds} rounds of "
-         f"{', '.join(str(P.sweep_requests(c, len(prompts), per_phase=args.sweep_requests)) for c in levels if c > 1)}"
-         f" requests per phase; open loop {args.rate or 'off'} req/s")
-    _print_estimate(f"bench: estimate at {args.assumed_tokens_per_s:g} tok/s one stream", est)
+        greedy_repeats=args.repeats if 0 in temperatures else 0,
+        sampled_temperatures=len([t for t in temperatures if t > 0]), sampled_repeats=args.sampled_repeats,
+        n_sweep_configs=P.count_configs(sweep_spec, configs), concurrency_levels=tuple(levels),
+        n_sweep_prompts=len(prompts), poisson_duration_s=args.duration_s if args.rate else 0.0,
+        n_warmup_modes=len(P.warm_configs(configs, model.pools)), sweep_rounds=args.sweep_rounds,
+        sweep_requests_per_phase=args.sweep_requests)
+    run_ = PhaseRun(args=args, model=model.id, configs=configs, sweep_spec=sweep_spec, prompts=prompts,
+                    sweep_prompts=sweep_prompts, temperatures=temperatures, levels=levels, max_k=max_k or {},
+                    shape=shape, pools=model.pools,
+                    arrivals=T.build_schedule(offsets, sweep_prompts, args.max_tokens, generated))
+    n_started = sum(1 for b in baselines if not b.url)
+    _print_plan(run_, args, baselines, pool_name, trace_source, n_started)
     if args.dry_run:
         return 0
+
+    # 5. Start the stock servers; 6. the measured phases.
     slo = Slo(args.slo_ttft_s, args.slo_tpot_s, args.slo_latency_s)
-    started = time.strftime("%Y-%m-%d %H:%M:%S")
     folder = results_dir(Path(args.results_dir), rev=git_short_rev())
-    meta = {"started": started, "url": args.url, "model": model.id, "git_rev": git_short_rev(),
-            "prompts_file": args.prompts, "max_tokens": args.max_tokens, "prompts": [p.question_id for p in prompts],
-            "configs": [c.name for c in configs], "slo": slo.__dict__, "pools": model.pools,
-            "args": {k: v for k, v in vars(args).items() if k != "api_key" and not callable(v)}}
-    samples: list[Sample] = []
+    meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "url": args.url, "model": model.id,
+            "git_rev": git_short_rev(), "prompts_file": args.prompts, "max_tokens": args.max_tokens,
+            "prompts": [p.question_id for p in prompts], "configs": [c.name for c in configs], "slo": slo.__dict__,
+            "pools": model.pools, "args": {k: v for k, v in vars(args).items() if k != "api_key" and not callable(v)}}
     try:
-        asyncio.run(_phases(args, model.id, configs, prompts, sweep_prompts, temperatures, levels, max_k or {},
-                            shape, samples))
+        for b in baselines:
+            if b.url:
+                A.check_served(b.name, b.url, model.id)
+        servers = _stock_servers(args, baselines, pool, config, model.id, folder)
+    except (ValueError, OSError, A.StockServerError) as e:
+        log(f"bench: {e}")
+        return 2
+    if baselines:
+        meta.update(baseline_pool=pool_name, baselines={b.name: {"speculative_config": b.speculative_config,
+                                                                  "url": b.url} for b in baselines},
+                    stock_commands={s.name: s.argv for s in servers})
+    if run_.arrivals:
+        meta["trace"] = {**T.schedule_shape(run_.arrivals), "source": trace_source}
+    try:
+        with A.StockFleet(servers, pool.startup_timeout_s if pool else 600.0, log=log,
+                          external={b.name: b.url for b in baselines if b.url}) as urls:
+            run_.stock_urls = urls
+            asyncio.run(run_phases(run_))
     except KeyboardInterrupt:
-        _log("bench: interrupted; writing what was measured")
-    summary = build_summary(samples, slo, args.tie_gap)
+        log("bench: interrupted; writing what was measured")
+    except A.StockServerError as e:
+        log(f"bench: {e}")
+        return 2
+
+    # 7. Summary and report.
+    samples: list[Sample] = run_.samples
+    summary = build_summary(samples, slo, args.tie_gap, anchors=tuple(b.name for b in baselines))
+    if "trace" in summary:
+        summary["trace"]["schedule"] = meta["trace"]
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     files = write_results(folder, samples, meta, summary, plots=not args.no_plots)
     print(render_markdown(summary, meta))
-    _log("bench: results in " + str(folder) + " (" + ", ".join(p.name for p in files.values()) + ")")
+    log("bench: results in " + str(folder) + " (" + ", ".join(p.name for p in files.values()) + ")")
     ok = [s for s in samples if s.ok and s.phase not in ("reference", "warmup")]
     large = [m for m in summary["lossless"]["mismatches"] if m["verdict"] == "large-gap"]
     if large:
-        _log(f"bench: {len(large)} greedy divergences at a large logit gap: speculation changed the output")
+        log(f"bench: {len(large)} greedy divergences at a large logit gap "
+            f"({', '.join(sorted({m['config'] for m in large}))}): the output changed")
     return 1 if large or not ok else 0
-
-
-async def _phases(args, model: str, configs: list[P.BenchConfig], prompts, sweep_prompts, temperatures,
-                  levels: list[int], max_k: dict[str, int], shape: P.PlanShape, samples: list[Sample]) -> None:
-    from tqdm import tqdm
-
-    n_modes = shape.n_warmup_modes
-    total = (len(prompts) * (1 + n_modes) + len(configs) + len(configs) * len(prompts) * shape.greedy_repeats)
-    bar = tqdm(total=total, file=sys.stderr, unit="req", dynamic_ncols=True)
-
-    def done(s: Sample) -> None:
-        samples.append(s)
-        bar.update(1)
-        bar.set_postfix_str(f"{s.phase} {s.config} c={s.concurrency}" + ("" if s.ok else f" ERR {s.error_status}"))
-
-    async with AsyncSpecServeClient(args.url, timeout_s=args.timeout_s, api_key=args.api_key) as client:
-        runner = Runner(client, model=model, max_tokens=args.max_tokens, top_p=args.top_p,
-                        ignore_eos=args.ignore_eos, hint_workload_class=args.hint_workload_class, on_done=done)
-        none = P.BenchConfig(P.NONE, P.NONE, 0)
-
-        # 2. Warm-up (excluded): the reference with top-2 logprobs, priming, one request per configuration.
-        await runner.run_sequential([Job("reference", none, p, logprobs=2) for p in prompts])
-        ref = [s for s in samples if s.phase == "reference" and s.ok]
-        lat = sum(s.latency_s or 0 for s in ref)
-        tps1 = sum(s.output_tokens for s in ref) / lat if lat else args.assumed_tokens_per_s
-        first_of_mode = {}
-        for c in configs:
-            if c.mode not in (None, P.NONE):
-                first_of_mode.setdefault(c.mode, c)
-        await runner.run_sequential([Job("warmup", c, p, max_tokens=1) for c in first_of_mode.values() for p in prompts])
-        await runner.run_sequential([Job("warmup", c, prompts[i % len(prompts)], max_tokens=8)
-                                     for i, c in enumerate(configs)])
-        est = P.estimate_s(shape, max(tps1, 0.1))
-        est["compare_sampled"] *= _count_best(args.sampled_configs, configs) / max(len(configs), 1)
-        est["total"] = sum(v for k, v in est.items() if k != "total")
-        bar.clear()
-        _print_estimate(f"bench: measured {tps1:.1f} tok/s one stream (reference); estimate now", est)
-
-        # 3. Greedy comparison, one stream, interleaved and repeated.
-        async def compare(cfgs: list[P.BenchConfig], temp: float, repeats: int) -> None:
-            order = P.interleaved_order(len(cfgs), len(prompts), repeats)
-            bar.total += len(order) if temp > 0 else 0
-            jobs = [Job("compare", cfgs[ci], prompts[pi], temperature=temp, repeat=r,
-                        seed=None if temp == 0 else args.seed * 100003 + r * 1009 + pi) for r, pi, ci in order]
-            await runner.run_sequential(jobs)
-
-        if 0 in temperatures:
-            await compare(configs, 0.0, args.repeats)
-        greedy = [s for s in samples if s.phase == "compare" and s.temperature == 0]
-        tps = {cfg: repeat_spread(g)["median"] for cfg, g in group_by(greedy, lambda s: s.config).items()}
-        best = best_k_per_mode(tps, {c.name: (c.mode, c.k) for c in configs if c.is_speculative and c.k})
-        if best:
-            _log("bench: fastest K per mode (greedy, one stream): " + ", ".join(best.values()))
-
-        # 4. Sampled comparison.
-        sampled_cfgs = _expand(args.sampled_configs, configs, best, max_k)
-        for temp in (t for t in temperatures if t > 0):
-            await compare(sampled_cfgs, temp, args.sampled_repeats)
-
-        # 5. Closed-loop sweep in rounds: every configuration one phase per round, the order rotated and
-        # reversed from round to round (and shifted per level); within a round all configurations get the
-        # same prompts, each round the next ones; `repeat` carries the round; prompts made cold by a nonce.
-        sweep_cfgs = _expand(args.sweep_configs, configs, best, max_k)
-        for li, c in enumerate(l for l in levels if l > 1):
-            n = P.sweep_requests(c, len(prompts), per_phase=args.sweep_requests)
-            for r, order in enumerate(P.sweep_round_orders(len(sweep_cfgs), args.sweep_rounds, shift=li)):
-                for cfg in (sweep_cfgs[i] for i in order):
-                    bar.total += n
-                    jobs = [Job("sweep", cfg, sweep_prompts[(r * n + i) % len(sweep_prompts)], concurrency=c,
-                                repeat=r, nonce=f"s{c}-r{r}-{cfg.name}-{i}") for i in range(n)]
-                    await runner.run_closed_loop(jobs, c)
-
-        # 6. Open loop, Poisson arrivals, bounded in time and count.
-        if args.rate and args.rate > 0:
-            for i, cfg in enumerate(sweep_cfgs):
-                bar.total += min(args.max_requests, int(args.rate * args.duration_s) + 1)
-                jobs = [Job("poisson", cfg, sweep_prompts[j % len(sweep_prompts)], concurrency=0,
-                            rate_rps=args.rate, nonce=f"p-{cfg.name}-{j}") for j in range(args.max_requests)]
-                await runner.run_poisson(jobs, args.rate, args.duration_s, args.max_requests, seed=args.seed + i)
-    bar.close()
 
 
 def main(argv: Optional[list[str]] = None) -> int:

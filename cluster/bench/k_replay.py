@@ -9,7 +9,7 @@ static K, a K per task or per prompt chosen with hindsight, or a K that changes 
 its own acceptance — without serving it. Time per step comes from the same run: each static
 `ngram:K`'s measured decode time per step relative to `none`'s (same prompts, same repeats), charged
 to every step taken at that K. So this answers "how much could a K policy win here at all?" before a
-47-minute run is spent on it (BENCHMARKS.md 2.0m).
+47-minute run is spent on it.
 
     python -m cluster.bench.k_replay SAMPLES.json [--config cluster/configs/local-cpu.yaml]
         [--prompts cluster/data/specbench-heldout.jsonl] [--ngram MIN,MAX] [--price k|drafts]
@@ -157,7 +157,7 @@ def step_time_by_drafts(samples: Iterable, cases: Sequence["Case"], propose: Pro
     step: least squares of each one-stream greedy `none` / `ngram:K` request's decode time on its
     steps split by drafts, the split replayed at its K. Tells apart what `step_cost_by_k` averages:
     whether a K is dear because it drafts more often, or because its steps verify a dearer count
-    of tokens (here 1 and 6 drafts cost more than 2-5; BENCHMARKS.md 2.0n).
+    of tokens (here 1 and 6 drafts cost more than 2-5).
 
     >>> table = lambda ctx, k: np.array([5] * k, dtype=np.int32)  # always proposes k 5s, all accepted
     >>> from cluster.bench.metrics import Sample

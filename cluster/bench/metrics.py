@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Optional
 class Sample:
     """One request of a run, as measured at the client (times in s since the run started)."""
 
-    phase: str  # reference | warmup | compare | sweep | poisson
+    phase: str  # reference | warmup | compare | sweep | poisson | trace
     config: str
     prompt_id: str
     category: str
@@ -43,6 +43,7 @@ class Sample:
     concurrency: int  # streams of the closed loop (0 in an open-loop phase)
     repeat: int = 0
     rate_rps: Optional[float] = None  # open-loop arrival rate
+    arrival: Optional[int] = None  # trace replay: the arrival's index in the schedule (same for every config)
     ok: bool = True
     error_status: Optional[int] = None
     error: Optional[str] = None

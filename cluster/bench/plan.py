@@ -20,6 +20,8 @@ from typing import Optional
 AUTO = "auto"
 NONE = "none"
 BEST = "best"  # in --sweep-configs: each mode at its fastest K of the greedy comparison
+ALL = "all"  # in --sampled-configs / --sweep-configs: the greedy comparison's list
+STOCK = "stock"  # in --sweep-configs: every stock-vLLM baseline (`cluster.bench.anchors`)
 
 
 @dataclass(frozen=True)
@@ -28,10 +30,12 @@ class BenchConfig:
     mode: Optional[str]  # None: no override (auto)
     k: Optional[int]  # None: the router picks K
     k_grow: Optional[int] = None  # MODE:K+S: K grows by S within the request (None: fixed K)
+    # A stock-vLLM server (`cluster.bench.anchors`), not the cluster: plain OpenAI requests, its own URL.
+    baseline: bool = False
 
     def speculative(self) -> Optional[dict]:
-        """The `specserve.speculative` override of the request body (None for auto)."""
-        if self.mode is None:
+        """The `specserve.speculative` override of the request body (None for auto and baselines)."""
+        if self.mode is None or self.baseline:
             return None
         if self.mode == NONE:
             return {"mode": NONE}
@@ -40,7 +44,13 @@ class BenchConfig:
 
     @property
     def is_speculative(self) -> bool:
-        return self.mode not in (None, NONE) and self.k != 0
+        """A cluster configuration with a fixed speculative mode (baselines are not: their mode is vLLM's)."""
+        return not self.baseline and self.mode not in (None, NONE) and self.k != 0
+
+
+def baseline_config(name: str) -> BenchConfig:
+    """The configuration of a stock-vLLM baseline called `name`."""
+    return BenchConfig(name, None, None, baseline=True)
 
 
 def mode_max_k(pools: list[dict]) -> dict[str, int]:
@@ -69,7 +79,7 @@ def parse_config(token: str, max_k: Optional[dict[str, int]] = None) -> list[Ben
     (K growing by S after a fully accepted step, up to the pool's k_grow_max: `speculative.k_grow`).
 
     >>> parse_config("ngram:3+2")
-    [BenchConfig(name='ngram:3+2', mode='ngram', k=3, k_grow=2)]
+    [BenchConfig(name='ngram:3+2', mode='ngram', k=3, k_grow=2, baseline=False)]
     """
     token = token.strip()
     base, plus, grow = token.partition("+")
@@ -114,6 +124,76 @@ def parse_configs(spec: str, max_k: Optional[dict[str, int]] = None) -> list[Ben
     return out
 
 
+def expand_configs(spec: str, greedy_configs: list[BenchConfig], best: dict[str, str],
+                   max_k: Optional[dict[str, int]]) -> list[BenchConfig]:
+    """A config list that may name 'best' (each mode's fastest greedy K), 'all' (the greedy list),
+    'stock' (every baseline of the greedy list) or a baseline by its name; order kept, no duplicates.
+
+    >>> cfgs = [BenchConfig(NONE, NONE, 0), BenchConfig("ngram:2", "ngram", 2), baseline_config("stock-none")]
+    >>> [c.name for c in expand_configs("none,best,stock", cfgs, {"ngram": "ngram:2"}, {"ngram": 6})]
+    ['none', 'ngram:2', 'stock-none']
+    """
+    by_name = {c.name: c for c in greedy_configs}
+    out: list[BenchConfig] = []
+    for token in (t.strip() for t in spec.split(",")):
+        if token == BEST:
+            picked = [by_name[name] for name in best.values()]
+        elif token == ALL:
+            picked = list(greedy_configs)
+        elif token == STOCK:
+            picked = [c for c in greedy_configs if c.baseline]
+        elif token in by_name:
+            picked = [by_name[token]]
+        elif token:
+            picked = parse_config(token, max_k)
+        else:
+            picked = []
+        out += [c for c in picked if c not in out]
+    return out
+
+
+def count_configs(spec: str, greedy_configs: list[BenchConfig]) -> int:
+    """Configurations a list will hold once 'best' is known (for the estimate)."""
+    modes = {c.mode for c in greedy_configs if c.is_speculative and c.k is not None}
+    n = 0
+    for token in (t.strip() for t in spec.split(",") if t.strip()):
+        n += (len(modes) if token == BEST else len(greedy_configs) if token == ALL
+              else sum(c.baseline for c in greedy_configs) if token == STOCK else 1)
+    return n
+
+
+def warm_configs(configs: list[BenchConfig], pools: list[dict]) -> list[BenchConfig]:
+    """One configuration per engine that `configs` can reach, for the 1-token warm-up of a phase's
+    prompts (prefix caching: a configuration must not get a prefill for free because another one ran
+    the same prompt first on the same engine, so every engine sees every prompt once beforehand).
+
+    Each baseline is its own engine. A cluster pool (from /v1/models: name, method, modes) is reached
+    by `auto` and by every configuration whose mode it serves, and warmed through its own method (a
+    mode no other pool's method is). Without pools listed, one configuration per mode used. A pool
+    with several replicas is warmed on one of them only (whichever the router picks).
+
+    >>> pools = [{"name": "ngram", "method": "ngram", "modes": ["ngram", "none"]},
+    ...          {"name": "draft", "method": "eagle", "modes": ["eagle", "none"]}]
+    >>> [c.name for c in warm_configs([BenchConfig(NONE, NONE, 0), baseline_config("stock-none")], pools)]
+    ['warm:ngram', 'warm:draft', 'stock-none']
+    >>> [c.name for c in warm_configs([BenchConfig("ngram:3", "ngram", 3)], pools)]
+    ['warm:ngram']
+    """
+    cluster = [c for c in configs if not c.baseline]
+    out: list[BenchConfig] = []
+    if pools:
+        for pool in pools:
+            modes = pool.get("modes") or [pool.get("method", NONE)]
+            if any(c.mode is None or c.mode in modes for c in cluster):
+                method = pool.get("method") or modes[0]
+                out.append(BenchConfig(f"warm:{pool.get('name', method)}", method, 0 if method == NONE else None))
+    else:
+        for c in cluster:
+            if c.mode is not None and all(w.mode != c.mode for w in out):
+                out.append(BenchConfig(f"warm:{c.mode}", c.mode, 0 if c.mode == NONE else None))
+    return out + [c for c in configs if c.baseline]
+
+
 def quick_configs(pools: list[dict]) -> list[BenchConfig]:
     """The --quick subset: none, each speculative mode at a middle K (ceil(max_k / 2)), auto."""
     configs = [BenchConfig(NONE, NONE, 0)]
@@ -130,8 +210,8 @@ def interleaved_order(n_configs: int, n_prompts: int, repeats: int) -> list[tupl
     Each prompt runs every configuration back to back; the configuration order is rotated by one
     per prompt and per repeat, so every configuration runs first, second, ... equally often
     over n_configs consecutive prompts, and it runs backwards on every other prompt, so a
-    configuration does not always follow the same one (r10, BENCHMARKS.md 2.0h: with a fixed cycle
-    `ngram:5` always ran right after `ngram:4`, and a predecessor effect could not be ruled out).
+    configuration does not always follow the same one (with a fixed cycle `ngram:5` always ran
+    right after `ngram:4`, and a predecessor effect could not be ruled out).
     """
     order = []
     for r in range(repeats):

@@ -49,11 +49,15 @@ def _config_order(samples: list[Sample]) -> list[str]:
     return seen
 
 
-def build_summary(samples: list[Sample], slo: Slo = Slo(), tie_gap: float = 0.05) -> dict[str, Any]:
-    """Everything the report shows, per configuration, task and load level."""
+def build_summary(samples: list[Sample], slo: Slo = Slo(), tie_gap: float = 0.05,
+                  anchors: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Everything the report shows, per configuration, task and load level. `anchors`: the stock-vLLM
+    baselines' names (rows like any configuration; judged apart in `cluster.bench.verdict`)."""
+    from cluster.bench.verdict import add_verdicts
+
     reference = {s.prompt_id: s for s in samples if s.phase == "reference" and s.ok}
     compare = [s for s in samples if s.phase == "compare"]
-    out: dict[str, Any] = {"comparison": {}, "load": {}, "poisson": {}}
+    out: dict[str, Any] = {"comparison": {}, "load": {}, "poisson": {}, "anchors": list(anchors)}
 
     # 1. The side-by-side comparison at one stream, per temperature.
     for temp, group in sorted(group_by(compare, lambda s: s.temperature).items()):
@@ -106,6 +110,7 @@ def build_summary(samples: list[Sample], slo: Slo = Slo(), tie_gap: float = 0.05
         out["poisson"][cfg] = summarize(group, slo)
     if AUTO in out["load"] or any(AUTO in rows for rows in out["comparison"].values()):
         out["router"] = router_verdict(out)
+    add_verdicts(out, samples, slo, list(anchors))
     return out
 
 
@@ -167,10 +172,10 @@ def _rate(x: Any) -> Optional[float]:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
 
 
-def _static(config: str) -> bool:
-    """A configuration the router's verdict compares against: a fixed mode and K (or none), not auto
-    and not a K that grows within the request (`MODE:K+S`, reported as a row of its own)."""
-    return config != AUTO and "+" not in config
+def _static(config: str, anchors: frozenset = frozenset()) -> bool:
+    """A configuration the router's verdict compares against: a fixed mode and K (or none), not auto,
+    not a K that grows within the request (`MODE:K+S`, reported as a row of its own), not a stock anchor."""
+    return config != AUTO and "+" not in config and config not in anchors
 
 
 def cross_validated_best(auto_rounds: Optional[list], static_rounds: dict[str, Optional[list]]) -> dict[str, Any]:
@@ -262,12 +267,14 @@ def router_verdict(summary: dict[str, Any], temperature: str = "0") -> dict[str,
     is None); the load levels' `ok` are the same in both."""
     verdict: dict[str, Any] = {}
     noisy: list[str] = []
+    anchors = frozenset(summary.get("anchors") or ())
     rows = summary["comparison"].get(temperature, {})
-    if AUTO in rows:
-        static = {c: r["repeat_tokens_per_s"]["median"] for c, r in rows.items() if _static(c)}
+    if AUTO in rows and any(_static(c, anchors) for c in rows):  # e.g. --configs auto with baselines: none
+        static = {c: r["repeat_tokens_per_s"]["median"] for c, r in rows.items() if _static(c, anchors)}
         best = max(static, key=static.get)
         auto = rows[AUTO]["repeat_tokens_per_s"]["median"]
-        cv = cross_validated_best(rows[AUTO].get("rounds"), {c: r.get("rounds") for c, r in rows.items() if _static(c)})
+        cv = cross_validated_best(rows[AUTO].get("rounds"),
+                                  {c: r.get("rounds") for c, r in rows.items() if _static(c, anchors)})
         verdict["one_stream"] = {"auto_tokens_per_s": auto, "best_static": best,
                                  "best_static_tokens_per_s": static[best],
                                  "ratio": auto / static[best], "ok": auto >= static[best],
@@ -281,11 +288,12 @@ def router_verdict(summary: dict[str, Any], temperature: str = "0") -> dict[str,
             noisy.append("one_stream")
         tasks = {}
         for task, arow in rows[AUTO]["by_task"].items():
-            speeds = {c: r["by_task"][task]["speedup"] for c, r in rows.items() if _static(c) and task in r["by_task"]}
+            speeds = {c: r["by_task"][task]["speedup"] for c, r in rows.items()
+                      if _static(c, anchors) and task in r["by_task"]}
             tbest = max(speeds, key=speeds.get)
             ratio = arow["speedup"] / speeds[tbest]
             tcv = cross_validated_best(arow.get("rounds"), {c: r["by_task"][task].get("rounds") for c, r in rows.items()
-                                                            if _static(c) and task in r["by_task"]})
+                                                            if _static(c, anchors) and task in r["by_task"]})
             tasks[task] = {"auto_speedup": arow["speedup"], "best_static": tbest,
                            "best_static_speedup": speeds[tbest], "ratio": ratio,
                            "ok": ratio >= ROUTER_TASK_TOLERANCE, **tcv,
@@ -297,7 +305,7 @@ def router_verdict(summary: dict[str, Any], temperature: str = "0") -> dict[str,
         for level, arow in load[AUTO].items():
             plain = _load_tput(level, load[NONE][level]) if level in load.get(NONE, {}) else 0.0
             spec = {c: _load_tput(level, lv[level]) for c, lv in load.items()
-                    if c != NONE and _static(c) and level in lv}
+                    if c != NONE and _static(c, anchors) and level in lv}
             sbest = max(spec, key=spec.get) if spec else None
             ref = max(plain, spec[sbest] if sbest else 0.0)
             if ref <= 0:
@@ -435,7 +443,9 @@ def render_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
                   _ms(r["latency_s"]["p50"]), _ms(r["latency_s"]["p99"]), fmt(r["acceptance_length"]),
                   _kcell(r), str(r["errors"])] for cfg, r in summary["poisson"].items()]
         lines += _table(header, table) + [""]
-    return "\n".join(lines) + "\n"
+    from cluster.bench.verdict import render_lines  # the anchors' and the trace's sections
+
+    return "\n".join(lines + render_lines(summary)) + "\n"
 
 
 def _spread_text(spread: dict[str, Any]) -> str:

@@ -7,7 +7,11 @@ TTFT and inter-chunk times are measurable. Knobs:
   output differ from the reference at `position`;
 - `tie_positions`: positions where the reference's top-2 logprobs are a near-tie (gap 0.001;
   elsewhere the gap is 3.0);
-- a prompt containing "FAIL429" gets 429 with Retry-After; "SHORT" stops after 5 tokens.
+- a prompt containing "FAIL429" gets 429 with Retry-After; "SHORT" stops after 5 tokens;
+- `stock=True`: a stock vLLM server instead (`stock_k`: its fixed K): /v1/models lists no pools, the
+  `specserve` extension is ignored and never sent back; streamed chunks carry `choices[0].token_ids`
+  when the body asks `return_token_ids`, after a first role-only chunk, and a last usage-only chunk
+  (`choices: []`) when `stream_options.include_usage`; `diverge` uses the name "stock".
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ def _base(text: str) -> int:
 
 class FakeServer:
     def __init__(self, prefill_s: float = 0.03, step_s: float = 0.01, diverge: Optional[dict[str, int]] = None,
-                 tie_positions: frozenset = frozenset(), pools: Optional[list] = None):
+                 tie_positions: frozenset = frozenset(), pools: Optional[list] = None, stock: bool = False,
+                 stock_k: int = 0):
         self.prefill_s, self.step_s = prefill_s, step_s
+        self.stock, self.stock_k = stock, stock_k
         self.diverge = diverge or {}
         self.tie_positions = tie_positions
         self.pools = POOLS if pools is None else pools
@@ -51,7 +57,7 @@ class FakeServer:
                 if self.path != "/v1/models":
                     return fake._error(self, 404, "no such path")
                 entry = {"id": "fake-model", "object": "model"}
-                if fake.pools:
+                if fake.pools and not fake.stock:
                     entry["specserve"] = {"pools": fake.pools}
                 fake._json(self, 200, {"object": "list", "data": [entry]})
 
@@ -110,9 +116,11 @@ class FakeServer:
             return self._error(h, 400, "exactly one of `prompt` and `messages` must be given", "prompt")
         if "FAIL429" in text:
             return self._error(h, 429, "overloaded", None, {"Retry-After": "2"})
-        ext = body.get("specserve") or {}
+        ext = {} if self.stock else body.get("specserve") or {}
         spec = ext.get("speculative")
-        if spec is None:
+        if self.stock:
+            mode, k, decided_by, name = "none" if not self.stock_k else "ngram", self.stock_k, "stock", "stock"
+        elif spec is None:
             mode, k, decided_by, name = "ngram", 3, "policy", "auto"
         else:
             mode = spec["mode"]
@@ -153,7 +161,8 @@ class FakeServer:
             choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}
                       if chat else {"index": 0, "text": content, "finish_reason": finish})
             return self._json(h, 200, {"id": "cmpl-1", "object": "chat.completion" if chat else "text_completion",
-                                       "model": "fake-model", "choices": [choice], "usage": usage, "specserve": stats})
+                                       "model": "fake-model", "choices": [choice], "usage": usage,
+                                       **({} if self.stock else {"specserve": stats})})
         h.send_response(200)
         h.send_header("Content-Type", "text/event-stream")
         h.send_header("Transfer-Encoding", "chunked")
@@ -163,6 +172,9 @@ class FakeServer:
             data = ("data: " + (obj if isinstance(obj, str) else json.dumps(obj)) + "\n\n").encode()
             h.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
             h.wfile.flush()
+
+        if self.stock:
+            return self._stream_stock(h, body, chat, chunks, finish, usage, send)
 
         def chunk(toks: list[int], fin: Optional[str], ext_obj: dict) -> dict:
             piece = "".join(f" t{t}" for t in toks)
@@ -183,6 +195,36 @@ class FakeServer:
                 send(chunk(toks, finish, {**final, "token_ids": toks}))
             else:
                 send(chunk(toks, None, {"token_ids": toks}))
+        send("[DONE]")
+        h.wfile.write(b"0\r\n\r\n")
+        h.wfile.flush()
+
+    def _stream_stock(self, h, body: dict, chat: bool, chunks: list[list[int]], finish: str, usage: dict,
+                      send) -> None:
+        """vLLM's stream: a role-only first chunk, token chunks (token_ids when asked), then usage."""
+        with_ids = bool(body.get("return_token_ids"))
+
+        def chunk(toks: list[int], fin: Optional[str], first: bool = False) -> dict:
+            piece = "".join(f" t{t}" for t in toks)
+            if chat:
+                choice = {"index": 0, "delta": {"role": "assistant", "content": ""} if first else {"content": piece},
+                          "finish_reason": fin}
+            else:
+                choice = {"index": 0, "text": piece, "finish_reason": fin}
+            if with_ids and not first:
+                choice["token_ids"] = toks
+            return {"id": "chatcmpl-stock", "object": "chat.completion.chunk" if chat else "text_completion",
+                    "choices": [choice], "model": "fake-model"}
+
+        time.sleep(self.prefill_s)
+        if chat:
+            send(chunk([], None, first=True))
+        for j, toks in enumerate(chunks):
+            if j:
+                time.sleep(self.step_s)
+            send(chunk(toks, finish if j == len(chunks) - 1 else None))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            send({"id": "chatcmpl-stock", "object": "chat.completion.chunk", "choices": [], "usage": usage})
         send("[DONE]")
         h.wfile.write(b"0\r\n\r\n")
         h.wfile.flush()

@@ -56,11 +56,19 @@ def test_quick_run_writes_results_and_flags_a_large_gap(tmp_path, capsys):
     poisson = [s for s in samples if s.phase == "poisson"]
     assert 4 <= len(poisson) <= 16 and {s.rate_rps for s in poisson} == {20.0}
 
-    # The requests the server saw: the reference asked for top-2 logprobs; load phases carry a nonce.
+    # The requests the server saw: the reference asked for top-2 logprobs; the sweep sends the prompts as
+    # they are (no nonce), each round's prompts warmed first in both pools (1 token); Poisson carries a nonce.
     ref_bodies = [b for b in fake.requests if b.get("logprobs")]
     assert len(ref_bodies) == 3 and all(b["top_logprobs"] == 2 and b["specserve"]["speculative"] == {"mode": "none"}
                                         for b in ref_bodies)
-    assert sum(1 for b in fake.requests if b["messages"][0]["content"].startswith("[s3-")) == len(sweep)
+    assert not any(b["messages"][0]["content"].startswith("[s") for b in fake.requests)
+    assert sum(1 for b in fake.requests if b["messages"][0]["content"].startswith("[p-")) == len(poisson)
+    warm = [b for b in fake.requests if b["max_tokens"] == 1]
+    # the 3 comparison prompts and each round's distinct sweep prompts, each through the ngram and draft pools
+    assert sorted({tuple(sorted(b["specserve"]["speculative"].items())) for b in warm}) == [
+        (("mode", "draft_model"),), (("mode", "ngram"),)]
+    per_round = [len({s.prompt_id for s in sweep if s.repeat == r}) for r in (0, 1)]
+    assert len(warm) == 2 * (3 + sum(per_round))
     assert all(b["stream"] is True for b in fake.requests)
 
     summary = json.loads((folder / "summary.json").read_text())

@@ -1,0 +1,345 @@
+"""`auto` against the stock-vLLM anchors (and against every other configuration), with paired
+bootstrap intervals; and the trace replay's per-configuration table. Pure: samples in, dicts and
+Markdown lines out.
+
+Words (with those of `cluster.bench.metrics`):
+- *anchor*: a stock-vLLM baseline (`cluster.bench.anchors`); the *best anchor* is the anchor with the
+  highest throughput (lowest mean latency on the trace), the *best other* the same over every
+  configuration but auto, anchors and cluster configurations alike.
+- *throughput ratio*: auto's over the other's, higher is better for auto. Its statistic is the
+  request rate, summed output tokens / summed request latency: at one stream that is the tokens/s
+  of the comparison; at a closed-loop level of c streams, throughput = c x that rate while the c
+  streams are busy (Little's law), so the ratio is the throughput ratio without a phase's ramp-down
+  tail. `wall_ratio` gives the pooled wall-span ratio of the load table beside it.
+- *paired bootstrap*: units are requests matched across the two configurations: at one stream by
+  prompt (repeats summed), at a load level by (round, prompt, occurrence), every configuration
+  getting the same prompts in a round, on the trace by arrival index (rounds pooled). A draw
+  resamples units with replacement, the same units for both, and recomputes the ratio; the 95%
+  interval is the 2.5 and 97.5% quantiles of BOOTSTRAP_RESAMPLES draws, seeded.
+- *verdict*: `win` when the interval's lower bound is >= 1, `loss` when its upper bound is < 1, `tie`
+  when it holds 1. *target met* (the issue's target): ratio >= 1.00 and lower bound >= 0.97. Latency
+  (lower is better) is judged on its inverse (the other's latency / auto's).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Callable, Optional
+
+from cluster.bench.metrics import Sample, Slo, group_by, meets_slo, paired_ratios, percentile, pooled_rate, \
+    round_rates, tpot_s
+from cluster.bench.plan import AUTO
+
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+TARGET_RATIO, TARGET_LOWER = 1.00, 0.97
+
+
+# -- the statistics -------------------------------------------------------------------------------------------
+
+
+def bootstrap_ci(n_units: int, stat: Callable[[list[int]], float], resamples: int = BOOTSTRAP_RESAMPLES,
+                 seed: int = BOOTSTRAP_SEED) -> Optional[list[float]]:
+    """95% interval of `stat` over `resamples` draws of unit indices with replacement (None below
+    two units or without a finite value)."""
+    if n_units < 2:
+        return None
+    rng = random.Random(seed)
+    values = []
+    for _ in range(resamples):
+        v = stat(rng.choices(range(n_units), k=n_units))
+        if v is not None and math.isfinite(v):
+            values.append(v)
+    return [percentile(values, 2.5), percentile(values, 97.5)] if values else None
+
+
+def classify(ratio: Optional[float], ci: Optional[list[float]], higher_is_better: bool = True) -> dict[str, Any]:
+    """win / tie / loss from the interval, and whether the issue's target holds.
+
+    >>> classify(1.04, [1.01, 1.08])["verdict"], classify(1.0, [0.98, 1.03]), classify(0.9, [0.85, 0.95])["verdict"]
+    ('win', {'verdict': 'tie', 'target_met': True}, 'loss')
+    >>> classify(1.2, [1.0, 1.5], higher_is_better=False)  # latency 20% above the other's
+    {'verdict': 'tie', 'target_met': False}
+    """
+    if ratio is None or not math.isfinite(ratio) or ratio <= 0:
+        return {"verdict": None, "target_met": None}
+    if not higher_is_better:  # judge the inverse: the other's latency over auto's
+        ratio = 1.0 / ratio
+        ci = None if ci is None or min(ci) <= 0 else [1.0 / ci[1], 1.0 / ci[0]]
+    if ci is None:
+        return {"verdict": None, "target_met": None}
+    verdict = "win" if ci[0] >= 1.0 else "loss" if ci[1] < 1.0 else "tie"
+    return {"verdict": verdict, "target_met": ratio >= TARGET_RATIO and ci[0] >= TARGET_LOWER}
+
+
+def request_rate(samples: list[Sample]) -> float:
+    ok = [s for s in samples if s.ok]
+    lat = sum(s.latency_s or 0.0 for s in ok)
+    return sum(s.output_tokens for s in ok) / lat if lat > 0 else math.nan
+
+
+def paired_units(a: list[Sample], b: list[Sample], key: Callable[[Sample], Any]) -> list[tuple[float, ...]]:
+    """(tokens a, latency a, tokens b, latency b) per key present (and successful) on both sides."""
+    def table(samples: list[Sample]) -> dict[Any, list[float]]:
+        out: dict[Any, list[float]] = {}
+        for s in samples:
+            if s.ok and s.latency_s:
+                entry = out.setdefault(key(s), [0.0, 0.0])
+                entry[0] += s.output_tokens
+                entry[1] += s.latency_s
+        return out
+
+    ta, tb = table(a), table(b)
+    return [(*ta[k], *tb[k]) for k in sorted(ta, key=repr) if k in tb]
+
+
+def _rate_ratio(units: list[tuple[float, ...]], idx: list[int]) -> float:
+    at = sum(units[i][0] for i in idx)
+    al = sum(units[i][1] for i in idx)
+    bt = sum(units[i][2] for i in idx)
+    bl = sum(units[i][3] for i in idx)
+    return (at / al) / (bt / bl) if al > 0 and bl > 0 and bt > 0 else math.nan
+
+
+def occurrence_keys(samples: list[Sample]) -> dict[int, tuple]:
+    """id(sample) -> (round, prompt, n-th occurrence of that prompt in its configuration's phase of
+    the round, by start time): a closed-loop phase may send a prompt more than once."""
+    out, seen = {}, {}
+    for s in sorted(samples, key=lambda s: (s.repeat, s.start_s)):
+        n = seen.get((s.config, s.repeat, s.prompt_id), 0)
+        seen[(s.config, s.repeat, s.prompt_id)] = n + 1
+        out[id(s)] = (s.repeat, s.prompt_id, n)
+    return out
+
+
+def throughput_ratio(auto: list[Sample], other: list[Sample], key: Callable[[Sample], Any],
+                     wall: bool, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> dict[str, Any]:
+    """auto over one other configuration: ratio of request rates on the paired units, its interval,
+    the per-round ratios (wall spans at a load level, summed latency at one stream) and the verdict."""
+    units = paired_units(auto, other, key)
+    ratio = _rate_ratio(units, list(range(len(units)))) if units else math.nan
+    ci = bootstrap_ci(len(units), lambda idx: _rate_ratio(units, idx), resamples, seed)
+    ra, rb = round_rates(auto, wall=wall), round_rates(other, wall=wall)
+    row = {"ratio": ratio, "ci95": ci, "units": len(units), "round_ratios": paired_ratios(ra, rb),
+           **classify(ratio, ci)}
+    if wall:
+        b = pooled_rate(rb)
+        row["wall_ratio"] = pooled_rate(ra) / b if b and math.isfinite(b) else math.nan
+    return row
+
+
+# -- the verdicts -----------------------------------------------------------------------------------------------
+
+
+def _best(scores: dict[str, float], higher: bool = True) -> Optional[str]:
+    finite = {c: v for c, v in scores.items() if v is not None and math.isfinite(v)}
+    if not finite:
+        return None
+    return (max if higher else min)(finite, key=finite.get)
+
+
+def _against(by_cfg: dict[str, list[Sample]], anchors: list[str], score: Callable[[list[Sample]], float],
+             judge: Callable[[list[Sample], list[Sample]], dict], higher: bool = True) -> dict[str, Any]:
+    """auto judged against the best anchor and the best other configuration (None where absent)."""
+    scores = {c: score(g) for c, g in by_cfg.items() if c != AUTO}
+    out: dict[str, Any] = {"auto": score(by_cfg[AUTO])}
+    for label, pool in (("vs_best_anchor", [c for c in scores if c in anchors]), ("vs_best_other", list(scores))):
+        best = _best({c: scores[c] for c in pool}, higher)
+        out[label] = None if best is None else {"config": best, "value": scores[best],
+                                                **judge(by_cfg[AUTO], by_cfg[best])}
+    return out
+
+
+def anchor_verdicts(samples: list[Sample], anchors: list[str], resamples: int = BOOTSTRAP_RESAMPLES,
+                    seed: int = BOOTSTRAP_SEED) -> dict[str, Any]:
+    """{"one_stream": ..., "load": {streams: ...}}: auto's throughput against the best anchor and the
+    best other configuration. One stream: the greedy comparison, paired by prompt. A level: the
+    sweep's phases at that many streams, paired by (round, prompt, occurrence); the best is chosen by
+    the pooled wall-span throughput of the load table."""
+    out: dict[str, Any] = {}
+    compare = [s for s in samples if s.phase == "compare" and s.temperature == 0]
+    by_cfg = group_by(compare, lambda s: s.config)
+    if AUTO in by_cfg and len(by_cfg) > 1:
+        out["one_stream"] = _against(by_cfg, anchors, request_rate, lambda a, b: throughput_ratio(
+            a, b, lambda s: s.prompt_id, wall=False, resamples=resamples, seed=seed))
+    load = {}
+    for c, level in sorted(group_by([s for s in samples if s.phase == "sweep"], lambda s: s.concurrency).items()):
+        by_cfg = group_by(level, lambda s: s.config)
+        if AUTO not in by_cfg or len(by_cfg) < 2:
+            continue
+        keys = occurrence_keys(level)
+        load[str(c)] = _against(by_cfg, anchors, lambda g: pooled_rate(round_rates(g, wall=True)),
+                                lambda a, b: throughput_ratio(a, b, lambda s: keys[id(s)], wall=True,
+                                                              resamples=resamples, seed=seed))
+    if load:
+        out["load"] = load
+    return out
+
+
+def trace_numbers(group: list[Sample], slo: Slo, span_s: Optional[float] = None) -> dict[str, Any]:
+    """Throughput over the span (output tokens / (last end - first start), or the given span),
+    latency, TTFT and TPOT of the successful requests, goodput (requests meeting every SLO per s)."""
+    ok = [s for s in group if s.ok]
+    if span_s is None:
+        span_s = (max(s.end_s for s in group) - min(s.start_s for s in group)) if group else 0.0
+    lat = [s.latency_s for s in ok if s.latency_s is not None]
+    ttft = [s.ttft_s for s in ok if s.ttft_s is not None]
+    tpot = [t for s in ok if (t := tpot_s(s)) is not None]
+    good = sum(1 for s in ok if meets_slo(s, slo))
+    tokens = sum(s.output_tokens for s in ok)
+    mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
+    return {"requests": len(group), "failures": len(group) - len(ok), "output_tokens": tokens, "span_s": span_s,
+            "throughput_tokens_per_s": tokens / span_s if span_s > 0 else math.nan, "good_requests": good,
+            "goodput_requests_per_s": good / span_s if span_s > 0 else math.nan,
+            "latency_mean_s": mean(lat), "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99),
+            "ttft_mean_s": mean(ttft), "ttft_p99_s": percentile(ttft, 99), "tpot_mean_s": mean(tpot)}
+
+
+def trace_table(samples: list[Sample], slo: Slo = Slo()) -> dict[str, Any]:
+    """config -> trace_numbers pooled over the rounds (span = summed round spans) with `rounds`."""
+    out = {}
+    for cfg, group in group_by(samples, lambda s: s.config).items():
+        rounds = [{"round": r, **trace_numbers(g, slo)} for r, g in sorted(group_by(group, lambda s: s.repeat).items())]
+        out[cfg] = {**trace_numbers(group, slo, span_s=sum(r["span_s"] for r in rounds)), "rounds": rounds}
+    return out
+
+
+def latency_ratio(auto: list[Sample], other: list[Sample], resamples: int = BOOTSTRAP_RESAMPLES,
+                  seed: int = BOOTSTRAP_SEED) -> dict[str, Any]:
+    """auto's mean latency / the other's, and p99 / p99, over arrivals both served in the same round;
+    paired bootstrap over arrival indices (rounds pooled)."""
+    def by_arrival(samples: list[Sample]) -> dict[tuple, float]:
+        return {(s.arrival, s.repeat): s.latency_s for s in samples if s.ok and s.latency_s is not None}
+
+    a, b = by_arrival(auto), by_arrival(other)
+    units: dict[Any, tuple[list[float], list[float]]] = {}
+    for key in sorted(set(a) & set(b)):
+        la, lb = units.setdefault(key[0], ([], []))
+        la.append(a[key])
+        lb.append(b[key])
+    rows = list(units.values())
+
+    def mean_ratio(idx: list[int]) -> float:
+        sa = sum(sum(rows[i][0]) for i in idx)
+        sb = sum(sum(rows[i][1]) for i in idx)
+        return sa / sb if sb > 0 else math.nan
+
+    def p99_ratio(idx: list[int]) -> float:
+        pb = percentile([x for i in idx for x in rows[i][1]], 99)
+        return percentile([x for i in idx for x in rows[i][0]], 99) / pb if pb > 0 else math.nan
+
+    everything = list(range(len(rows)))
+    ratio = mean_ratio(everything) if rows else math.nan
+    ci = bootstrap_ci(len(rows), mean_ratio, resamples, seed)
+    p99 = p99_ratio(everything) if rows else math.nan
+    return {"ratio": ratio, "ci95": ci, "arrivals": len(rows), **classify(ratio, ci, higher_is_better=False),
+            "p99_ratio": p99, "p99_ci95": bootstrap_ci(len(rows), p99_ratio, resamples, seed + 1)}
+
+
+def trace_verdict(samples: list[Sample], anchors: list[str], resamples: int = BOOTSTRAP_RESAMPLES,
+                  seed: int = BOOTSTRAP_SEED) -> Optional[dict[str, Any]]:
+    """auto's mean latency (and p99) on the trace against the best anchor and the best other
+    configuration (the lowest mean latency)."""
+    by_cfg = group_by(samples, lambda s: s.config)
+    if AUTO not in by_cfg or len(by_cfg) < 2:
+        return None
+    return _against(by_cfg, anchors, lambda g: trace_numbers(g, Slo())["latency_mean_s"],
+                    lambda a, b: latency_ratio(a, b, resamples, seed), higher=False)
+
+
+def round_orders(samples: list[Sample]) -> list[list[str]]:
+    """Per round (the samples' `repeat`), the configurations in the order their first request started."""
+    out = []
+    for _, group in sorted(group_by(samples, lambda s: s.repeat).items()):
+        starts = {cfg: min(s.start_s for s in g) for cfg, g in group_by(group, lambda s: s.config).items()}
+        out.append(sorted(starts, key=starts.get))
+    return out
+
+
+def add_verdicts(summary: dict[str, Any], samples: list[Sample], slo: Slo, anchors: list[str]) -> None:
+    """Put the trace table and the verdicts against the anchors into a built summary."""
+    trace = [s for s in samples if s.phase == "trace"]
+    if trace:
+        summary["trace"] = {"configs": trace_table(trace, slo), "verdict": trace_verdict(trace, anchors),
+                            "order": round_orders(trace)}
+    verdicts = anchor_verdicts(samples, anchors)
+    if verdicts:
+        summary["anchor_verdicts"] = verdicts
+
+
+# -- Markdown --------------------------------------------------------------------------------------------------
+
+
+def _f(x: Any, digits: int = 3) -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
+
+
+def _ms(x: Any) -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x * 1000:.0f}"
+
+
+def _ci(ci: Optional[list[float]]) -> str:
+    return "-" if not ci else f"{ci[0]:.3f}-{ci[1]:.3f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return (["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+            + ["| " + " | ".join(r) + " |" for r in rows] + [""])
+
+
+def _verdict_row(phase: str, auto: Any, side: Optional[dict], latency: bool = False) -> list[str]:
+    if side is None:
+        return [phase, "-", "-", "-", "-", "-", "-", "-"]
+    per_round = " / ".join(_f(x) for x in side.get("round_ratios") or []) or "-"
+    value = _ms if latency else (lambda x: _f(x, 2))
+    return [phase, value(auto), f"`{side['config']}` {value(side['value'])}", _f(side["ratio"]),
+            _ci(side["ci95"]), per_round if not latency else f"p99 {_f(side['p99_ratio'])} ({_ci(side['p99_ci95'])})",
+            str(side["verdict"] or "-"), {True: "yes", False: "**no**", None: "-"}[side["target_met"]]]
+
+
+def render_lines(summary: dict[str, Any]) -> list[str]:
+    """The report's sections on the anchors and the trace ([] when the run had neither)."""
+    lines: list[str] = []
+    v = summary.get("anchor_verdicts") or {}
+    trace = summary.get("trace")
+    anchors = summary.get("anchors") or []
+    if v or (trace and trace.get("verdict")):
+        lines += ["## `auto` against the stock-vLLM anchors and every other configuration", "",
+                  f"Anchors: {', '.join(f'`{a}`' for a in anchors) or 'none'}. Ratio = auto / "
+                  "the other (throughput: summed tokens / summed request latency over requests paired by prompt; "
+                  "trace: mean latency over arrivals paired by index, lower is better); 95% paired bootstrap "
+                  f"interval over {BOOTSTRAP_RESAMPLES} draws; win = interval above 1, loss = below, tie = holds 1; "
+                  f"target: ratio >= {TARGET_RATIO:.2f} with lower bound >= {TARGET_LOWER} (latency: its inverse).", ""]
+        header = ["phase", "auto", "against", "ratio", "95% CI", "per round (wall) / p99", "verdict", "target met"]
+        sides = [("best anchor", "vs_best_anchor")] * bool(anchors) + [("best of all other configurations",
+                                                                       "vs_best_other")]
+        for label, key in sides:
+            rows = []
+            if v.get("one_stream"):
+                rows.append(_verdict_row("1 stream", v["one_stream"]["auto"], v["one_stream"][key]))
+            for c, lv in (v.get("load") or {}).items():
+                row = _verdict_row(f"{c} streams", lv["auto"], lv[key])
+                if lv[key] and lv[key].get("wall_ratio") is not None:
+                    row[3] += f" (wall {_f(lv[key]['wall_ratio'])})"
+                rows.append(row)
+            if trace and trace.get("verdict"):
+                tv = trace["verdict"]
+                rows.append(_verdict_row("trace (mean latency ms)", tv["auto"], tv[key], latency=True))
+            lines += [f"Against the {label}:", ""] + _table(header, rows)
+    if trace:
+        lines += ["## Trace replay (open loop, the same arrival schedule for every configuration)", ""]
+        shape = trace.get("schedule") or {}
+        if shape:
+            lines += [f"Schedule: {shape.get('source', '')}; {shape.get('arrivals')} arrivals over "
+                      f"{_f(shape.get('span_s'), 1)} s (mean {_f(shape.get('mean_rate_rps'))} req/s). Round orders: "
+                      + " ".join(f"[{', '.join(o)}]" for o in trace.get("order") or []), ""]
+        header = ["config", "requests", "failures", "throughput tok/s", "per round", "goodput req/s", "lat mean",
+                  "lat p50", "lat p99", "TTFT mean", "TTFT p99", "TPOT mean"]
+        rows = [[cfg, str(r["requests"]), str(r["failures"]), _f(r["throughput_tokens_per_s"], 2),
+                 " / ".join(_f(x["throughput_tokens_per_s"], 1) for x in r["rounds"]), _f(r["goodput_requests_per_s"]),
+                 _ms(r["latency_mean_s"]), _ms(r["latency_p50_s"]), _ms(r["latency_p99_s"]), _ms(r["ttft_mean_s"]),
+                 _ms(r["ttft_p99_s"]), _ms(r["tpot_mean_s"])] for cfg, r in trace["configs"].items()]
+        lines += ["Times in ms; throughput = output tokens / summed round spans (first send to last end); goodput = "
+                  "requests meeting every given SLO per second.", ""] + _table(header, rows)
+    return lines

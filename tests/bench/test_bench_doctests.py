@@ -1,0 +1,13 @@
+"""The examples in the bench's pure modules' docstrings are executed, so they cannot drift from the code."""
+
+import doctest
+import importlib
+
+import pytest
+
+
+@pytest.mark.parametrize("name", ["cluster.bench.plan", "cluster.bench.anchors", "cluster.bench.trace",
+                                  "cluster.bench.verdict"])
+def test_docstring_examples_hold(name):
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

@@ -287,9 +287,9 @@ def _make_scheduler_cls():
             output = super().schedule(*args, **kwargs)
             if self.num_spec_tokens and self.running:
                 # The drafts proposed in this step are verified in the next one, after this step's
-                # outcome has moved a growing request's K: draft for the K it may then have (the first
-                # A/B, BENCHMARKS 2.0o: drafting for the current K made each grown step verify the
-                # old K's drafts, which read as a short match and reset the K, so nothing grew).
+                # outcome has moved a growing request's K: draft for the K it may then have (drafting
+                # for the current K made each grown step verify the old K's drafts, which read as a
+                # short match and reset the K, so nothing grew).
                 batch_size = len(self.running)
                 k_batch = max(self._k_for(r, batch_size, ahead=True) for r in self.running)
                 output.num_spec_tokens_to_schedule = min(output.num_spec_tokens_to_schedule, k_batch)

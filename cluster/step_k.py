@@ -46,6 +46,7 @@ PRIOR_WEIGHT = 8.0
 FORGET = 0.9975  # per measured step: a window of ~400 steps
 OUTLIER, OUTLIER_AFTER_STEPS = 4.0, 30  # a step 4x its predicted time is not a decode step's cost
 ACCEPT_PRIOR_WEIGHT = 3.0  # trials the class's α counts as in a request's own acceptance
+ACCEPT_OPTIMISM = 1.0  # standard deviations above the posterior mean (`acceptance`)
 ACCEPT_FORGET = 0.6  # per drafting step: a request's acceptance follows its last ~2-3 steps
 
 
@@ -260,14 +261,27 @@ def _solve(m: list[list[float]], v: list[float]) -> Optional[list[float]]:
 # -- one request's acceptance ------------------------------------------------------------------
 
 def acceptance(prior_alpha: float, successes: float, failures: float,
-               prior_weight: float = ACCEPT_PRIOR_WEIGHT) -> float:
-    """α_i: the class's α counted as `prior_weight` trials, plus the request's own recent trials.
+               prior_weight: float = ACCEPT_PRIOR_WEIGHT, optimism: float = ACCEPT_OPTIMISM) -> float:
+    """α_i for the K choice: the class's α counted as `prior_weight` trials plus the request's own
+    recent trials, a Beta posterior, read `optimism` standard deviations above its mean. Only
+    verified drafts teach a request its acceptance, so a request held at K = 0 by a low mean would
+    never learn that it has started to copy; the optimism keeps one draft in play while the
+    request's own evidence is thin, and fades as it grows.
 
-    >>> acceptance(0.5, 0.0, 0.0), round(acceptance(0.5, 9.0, 0.0), 3), round(acceptance(0.5, 0.0, 3.0), 3)
-    (0.5, 0.875, 0.25)
+    >>> round(acceptance(0.5, 0.0, 0.0, optimism=0.0), 3), round(acceptance(0.5, 9.0, 0.0, optimism=0.0), 3)
+    (0.5, 0.875)
+    >>> round(acceptance(0.4, 0.0, 0.0), 3), round(acceptance(0.4, 0.0, 10.0), 3)  # thin evidence: optimistic
+    (0.645, 0.17)
     """
     prior_alpha = min(max(prior_alpha, 0.0), 1.0)
-    return (prior_weight * prior_alpha + successes) / (prior_weight + successes + failures)
+    a = prior_weight * prior_alpha + max(successes, 0.0)
+    b = prior_weight * (1.0 - prior_alpha) + max(failures, 0.0)
+    n = a + b
+    if n <= 0.0:
+        return prior_alpha
+    mean = a / n
+    sd = math.sqrt(a * b / (n * n * (n + 1.0)))
+    return min(1.0, mean + optimism * sd)
 
 
 def next_acceptance(successes: float, failures: float, drafted: int, accepted: int,

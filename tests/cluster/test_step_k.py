@@ -100,18 +100,33 @@ def test_step_cost_is_defined_from_the_first_step_and_ignores_nonsense():
 
 
 def test_acceptance_moves_from_the_class_prior_to_the_requests_own_steps():
+    mean = lambda s, f: acceptance(0.4, s, f, optimism=0.0)  # noqa: E731
     s = f = 0.0
-    assert acceptance(0.4, s, f) == pytest.approx(0.4)
+    assert mean(s, f) == pytest.approx(0.4)
     for _ in range(3):  # copying a span: every draft accepted
         s, f = next_acceptance(s, f, 6, 6)
-    copying = acceptance(0.4, s, f)
+    copying = mean(s, f)
     assert copying > 0.75
     for _ in range(3):  # the span ends: the first draft rejected each step
         s, f = next_acceptance(s, f, 6, 0)
-    assert acceptance(0.4, s, f) < 0.55
+    assert mean(s, f) < 0.55
     for _ in range(3):
         s, f = next_acceptance(s, f, 6, 0)
-    assert acceptance(0.4, s, f) < 0.4
+    assert mean(s, f) < 0.4
+
+
+def test_thin_evidence_keeps_a_draft_in_play_and_evidence_takes_it_away():
+    """A request held at K = 0 learns nothing about its own text: the optimistic α lets a low
+    class α still try one draft at a cheap batch, and the request's rejections end that."""
+    line = StepCostLine(a=1.0, c=0.5, b=0.05, f=0.05)
+    fresh = acceptance(0.05, 0.0, 0.0)
+    assert fresh > 0.05
+    assert choose_step_ks([RequestDrafts(acceptance(0.05, 0.0, 0.0, optimism=0.0), 6, 6)], line) == [0]
+    assert choose_step_ks([RequestDrafts(fresh, 6, 6)], line)[0] >= 1
+    s = f = 0.0
+    for _ in range(2):
+        s, f = next_acceptance(s, f, 1, 0)
+    assert acceptance(0.05, s, f) < fresh
 
 
 def test_a_step_far_slower_than_the_line_is_left_out():

@@ -140,24 +140,26 @@ class Router:
         """Validate against the cluster and decide; raises ApiError before anything is sent."""
         rid = req.ensure_request_id()
         model, d = self.decide(req)
-        # The load cap adapts the policy's choices only; an explicit K from the caller is kept. The
-        # decision's K is the one the cap allows at the batch the request joins: the K that runs.
+        # Only the policy's choices are adapted; an explicit K from the caller is kept. A pool with
+        # step_k lets the engine pick K per step from the class's α (`per_step_k`); otherwise the
+        # decision's K is the one the load cap allows at the batch the request joins.
         pool = self.config.pools[d.pool]
         caps = None
-        if d.decided_by == "policy" and pool.uses_step_k:  # the engine picks K per step, from the class's α
+        if d.decided_by == "policy" and pool.uses_step_k:
             d = per_step_k(d, pool, self._class_alpha(model, d))
         elif d.k and d.decided_by == "policy":
             caps = self._cap_table(model, d.pool)
             if caps:
                 d = cap_at_admission(d, caps, d.detail.get("join_batch", 1.0))
+        step_alpha = d.detail.get("k_step_alpha")
         ereq = EngineRequest(
             request_id=rid, mode=d.mode.value, k=d.k, prompt=req.prompt,
             messages=[m.model_dump() for m in req.messages] if req.messages else None,
             max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
             stop=list(req.stop), logprobs=req.logprobs, ignore_eos=req.ignore_eos,
             k_cap_by_batch=caps if d.k else None,
-            k_grow=None if "k_step_alpha" in d.detail else growth_rule(pool, d, req.speculative.k_grow if req.speculative else None),
-            k_step_alpha=d.detail.get("k_step_alpha"),
+            k_grow=None if step_alpha is not None else growth_rule(pool, d, req.speculative.k_grow if req.speculative else None),
+            k_step_alpha=step_alpha,
         )
         return model, d, ereq
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
@@ -222,34 +223,36 @@ class EngineServer:
         params = self._sampling_params(req)
         completion_tokens = 0
         t_start, t_first = time.monotonic(), None
-        async for out in self._engine_outputs(prompt, params, req.request_id):
-            c = out.outputs[0]
-            completion_tokens += len(c.token_ids)
-            if t_first is None and c.token_ids:
-                t_first = time.monotonic()
-            chunk = EngineChunk(text=c.text, token_ids=list(c.token_ids), replica=self.replica)
-            if req.logprobs is not None and c.logprobs:
-                chunk.logprobs = [{tid: lp.logprob for tid, lp in pos.items()} for pos in c.logprobs]
-            if out.finished:
-                chunk.finish_reason = c.finish_reason or "stop"
-                chunk.prompt_tokens = len(out.prompt_token_ids or [])
-                chunk.completion_tokens = completion_tokens
-                metrics = getattr(c, "spec_decode_metrics", None)
-                chunk.stats = stats_from_output(req.mode, req.k, completion_tokens, metrics).to_dict()
-                if not req.request_id.startswith("health-"):
-                    now = time.monotonic()
-                    first = t_first if t_first is not None else now
-                    self._finished.add(now, first - t_start, now - first, completion_tokens,
-                                       int(chunk.stats.get("accepted", 0)), req.k)
-            yield chunk
+        async with aclosing(self._engine_outputs(prompt, params, req.request_id)) as outs:
+            async for out in outs:
+                c = out.outputs[0]
+                completion_tokens += len(c.token_ids)
+                if t_first is None and c.token_ids:
+                    t_first = time.monotonic()
+                chunk = EngineChunk(text=c.text, token_ids=list(c.token_ids), replica=self.replica)
+                if req.logprobs is not None and c.logprobs:
+                    chunk.logprobs = [{tid: lp.logprob for tid, lp in pos.items()} for pos in c.logprobs]
+                if out.finished:
+                    chunk.finish_reason = c.finish_reason or "stop"
+                    chunk.prompt_tokens = len(out.prompt_token_ids or [])
+                    chunk.completion_tokens = completion_tokens
+                    metrics = getattr(c, "spec_decode_metrics", None)
+                    chunk.stats = stats_from_output(req.mode, req.k, completion_tokens, metrics).to_dict()
+                    if not req.request_id.startswith("health-"):
+                        now = time.monotonic()
+                        first = t_first if t_first is not None else now
+                        self._finished.add(now, first - t_start, now - first, completion_tokens,
+                                           int(chunk.stats.get("accepted", 0)), req.k)
+                yield chunk
 
     async def _engine_outputs(self, prompt: str, params: Any, request_id: str):
         """vLLM's output stream, with its input-validation errors turned into EngineInputError."""
         from vllm.exceptions import VLLMClientError
 
         try:
-            async for out in self.engine.generate(prompt, params, request_id):
-                yield out
+            async with aclosing(self.engine.generate(prompt, params, request_id)) as outs:
+                async for out in outs:
+                    yield out
         except (VLLMClientError, ValueError) as e:
             raise EngineInputError(str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__) from None
 

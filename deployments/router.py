@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import time
+from contextlib import aclosing
 from dataclasses import replace
 from typing import Any, AsyncIterator, Callable, Optional
 
@@ -198,25 +199,26 @@ class Router:
         mark = self.meter.mark(domain, time.monotonic())
         replica = ""
         try:
-            async for chunk in self._engine_chunks(d, ereq):
-                now = time.perf_counter()
-                replica = chunk.replica or replica
-                if not comp.token_ids and chunk.token_ids:
-                    comp.ttft_s = now - t0
-                comp.text += chunk.text
-                comp.token_ids.extend(chunk.token_ids)
-                if chunk.logprobs:
-                    comp.logprobs = (comp.logprobs or []) + chunk.logprobs
-                if chunk.finish_reason is not None:
-                    comp.finish_reason = chunk.finish_reason
-                    comp.prompt_tokens = chunk.prompt_tokens
-                    comp.completion_tokens = chunk.completion_tokens
-                    comp.latency_s = now - t0
-                    comp.stats = {**(chunk.stats or {}), "pool": d.pool, "replica": chunk.replica,
-                                  "decided_by": d.decided_by, "workload_class": d.workload_class,
-                                  "explored": bool(d.detail.get("explore")) if d.detail else False,
-                                  "decision": decision_summary(d)}
-                yield chunk, comp
+            async with aclosing(self._engine_chunks(d, ereq)) as chunks:
+                async for chunk in chunks:
+                    now = time.perf_counter()
+                    replica = chunk.replica or replica
+                    if not comp.token_ids and chunk.token_ids:
+                        comp.ttft_s = now - t0
+                    comp.text += chunk.text
+                    comp.token_ids.extend(chunk.token_ids)
+                    if chunk.logprobs:
+                        comp.logprobs = (comp.logprobs or []) + chunk.logprobs
+                    if chunk.finish_reason is not None:
+                        comp.finish_reason = chunk.finish_reason
+                        comp.prompt_tokens = chunk.prompt_tokens
+                        comp.completion_tokens = chunk.completion_tokens
+                        comp.latency_s = now - t0
+                        comp.stats = {**(chunk.stats or {}), "pool": d.pool, "replica": chunk.replica,
+                                      "decided_by": d.decided_by, "workload_class": d.workload_class,
+                                      "explored": bool(d.detail.get("explore")) if d.detail else False,
+                                      "decision": decision_summary(d)}
+                    yield chunk, comp
             if comp.finish_reason is None:
                 raise ApiError(ErrorCode.UNAVAILABLE, "engine stream ended before the request finished",
                                retry_after_s=RETRY_AFTER_S)
@@ -318,8 +320,9 @@ class Router:
 
     async def complete(self, req: GenerateRequest) -> Completion:
         comp = None
-        async for _, comp in self._stream(req):
-            pass
+        async with aclosing(self._stream(req)) as stream:
+            async for _, comp in stream:
+                pass
         assert comp is not None
         return comp
 
@@ -359,10 +362,11 @@ class Router:
         later ones are sent as an error event, then [DONE]."""
         started = False
         try:
-            async for chunk, comp in self._stream(req):
-                final = comp if chunk.finish_reason is not None else None
-                yield openai_chunk(comp.request_id, comp.model, chat, chunk.text, chunk.token_ids, final)
-                started = True
+            async with aclosing(self._stream(req)) as stream:
+                async for chunk, comp in stream:
+                    final = comp if chunk.finish_reason is not None else None
+                    yield openai_chunk(comp.request_id, comp.model, chat, chunk.text, chunk.token_ids, final)
+                    started = True
         except ApiError as e:
             if not started:
                 raise
@@ -409,15 +413,17 @@ class Router:
         from cluster.wire import from_proto, spec_stats_proto, timing_proto
 
         try:
-            async for chunk, comp in self._stream(from_proto(request)):
-                msg = pb.GenerateStreamResponse(request_id=comp.request_id, text=chunk.text, token_ids=chunk.token_ids)
-                if chunk.finish_reason is not None:
-                    msg.finish_reason = comp.finish_reason or ""
-                    msg.prompt_tokens = comp.prompt_tokens
-                    msg.completion_tokens = comp.completion_tokens
-                    msg.timing.CopyFrom(timing_proto(pb, comp))
-                    msg.spec.CopyFrom(spec_stats_proto(pb, comp))
-                yield msg
+            async with aclosing(self._stream(from_proto(request))) as stream:
+                async for chunk, comp in stream:
+                    msg = pb.GenerateStreamResponse(request_id=comp.request_id, text=chunk.text,
+                                                    token_ids=chunk.token_ids)
+                    if chunk.finish_reason is not None:
+                        msg.finish_reason = comp.finish_reason or ""
+                        msg.prompt_tokens = comp.prompt_tokens
+                        msg.completion_tokens = comp.completion_tokens
+                        msg.timing.CopyFrom(timing_proto(pb, comp))
+                        msg.spec.CopyFrom(spec_stats_proto(pb, comp))
+                    yield msg
         except ApiError as e:
             raise self._grpc_fail(grpc_context, e) from None
 
@@ -520,5 +526,6 @@ def _cancel(gen: Any, rid: str) -> None:
 
 async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
     yield first
-    async for item in rest:
-        yield item
+    async with aclosing(rest):
+        async for item in rest:
+            yield item

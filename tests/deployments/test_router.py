@@ -411,3 +411,29 @@ def test_grpc_stats_carry_the_exploration_flag():
     assert spec_stats_proto(pb, c).load_bucket == ""
     c.stats["decision"] = {"load_bucket": "16+", "k_scores": {"0": 0.1}}
     assert spec_stats_proto(pb, c).load_bucket == "16+"
+
+
+def test_a_stream_closed_between_chunks_cancels_the_engine_call_at_once():
+    """A client that goes away while the router holds a chunk (deadline, hang-up) closes the
+    outermost generator at its yield; the engine call must be cancelled then, not when the garbage
+    collector gets to the inner generators (vLLM only aborts a request on cancel)."""
+    import gc
+
+    from specserve.v1 import specserve_pb2 as pb
+
+    chunk = EngineChunk(text="a", token_ids=[1])
+    router, handles = make_router(lambda: FakeCall([chunk, chunk, chunk, FINAL]))
+    req = pb.GenerateRequest(prompt="hi", speculative=pb.SpeculativeOverride(mode="ngram", k=2))
+
+    async def hang_up():
+        stream = router.GenerateStream(req)
+        await stream.__anext__()
+        gc.disable()  # so only an explicit close can cancel the call
+        try:
+            await stream.aclose()
+            return handles["ngram"].calls[0].cancelled
+        finally:
+            gc.enable()
+
+    assert asyncio.run(hang_up()) is True
+    assert router.inflight == {"ngram": 0, "draft": 0}

@@ -161,6 +161,13 @@ class PoolConfig(_Strict):
             "(whose drafter drafts the K it is asked)."
         ),
     )
+    auto: bool = Field(
+        True,
+        description=(
+            "The router's auto policy may send requests here. false: the pool serves only requests that "
+            "ask for its mode (e.g. a method that does not pay on this hardware, or a canary)."
+        ),
+    )
     ngram_min: int = Field(2, ge=1, description="n-gram method: shortest prompt match.")
     ngram_max: int = Field(5, ge=1, description="n-gram method: longest prompt match.")
     replicas: int = Field(1, ge=1, description="Replicas when autoscaling is not set.")
@@ -451,6 +458,9 @@ class ClusterConfig(_Strict):
                     raise ValueError(
                         f"models.{name}.source: expected 'shipped:<model>:<dir>' naming a model of this file"
                     )
+        for model in self.served_models():
+            if not any(p.auto for p in self.pools.values() if p.model == model):
+                raise ValueError(f"pools: no pool of model {model!r} has auto: true; the auto policy needs one")
         if self.router.default_mode not in ("auto", "none"):
             mode = SpecMode.parse(self.router.default_mode)
             if not any(mode in p.modes for p in self.pools.values()):

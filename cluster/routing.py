@@ -33,6 +33,7 @@ class PoolView:
     group_load: Optional[float] = None  # requests in flight over every pool of the group (live)
     prior_alpha: tuple[tuple[str, float], ...] = ()  # (workload class or "*", α): measured cold-start priors
     prior_draft_cost: Optional[tuple[float, float]] = None  # (per step, per token): PoolConfig.prior_draft_cost
+    auto: bool = True  # the auto policy may choose this pool (PoolConfig.auto)
 
     @property
     def modes(self) -> tuple[SpecMode, ...]:
@@ -116,6 +117,7 @@ def pool_views(config: ClusterConfig) -> list[PoolView]:
             prior_alpha=tuple(sorted(p.prior_alpha.items())),
             prior_draft_cost=(p.prior_draft_cost.per_step, p.prior_draft_cost.per_token)
             if p.prior_draft_cost is not None else None,
+            auto=p.auto,
         )
         for name, p in config.pools.items()
     ]
@@ -239,7 +241,12 @@ def route(
 
     from cluster.policy import choose_auto
 
-    return choose_auto(pools, router, workload_class, tuning)
+    return choose_auto(_auto_pools(pools), router, workload_class, tuning)
+
+
+def _auto_pools(pools: list[PoolView]) -> list[PoolView]:
+    """The pools the auto policy chooses among (`PoolView.auto`; all, if a config turned off every one)."""
+    return [p for p in pools if p.auto] or pools
 
 
 def per_step_k(decision: Decision, pool: PoolConfig, class_alpha: float) -> Decision:
@@ -313,7 +320,7 @@ def explain_choices(
         loaded = [replace(v, running=others * max(v.replicas, 1), waiting=0.0,
                           group_load=others if v.hardware_group is not None else None) for v in views]
         for wclass in classes:
-            d = choose_auto(loaded, router, wclass, tuning, rng=None)
+            d = choose_auto(_auto_pools(loaded), router, wclass, tuning, rng=None)
             run = cap_at_admission(d, caps[d.pool], float(batch)) if d.k else d
             rows.append({"batch": batch, "workload_class": wclass, "pool": d.pool, "mode": run.mode.value,
                          "k": d.k, "k_cap": k_cap_for_batch(max(int(batch), 1), caps[d.pool]), "k_run": run.k,

@@ -37,6 +37,7 @@ def bench_config(base: dict, http_port: int, grpc_port: int, redis_port: int, me
     `remote` pool that is `draft` in every other respect."""
     raw = copy.deepcopy(base)
     draft = raw["pools"]["draft"]
+    draft.pop("auto", None)  # the only pools of this config: auto must be able to choose them
     remote = copy.deepcopy(draft)
     remote.pop("drafter")
     remote.update(method="remote_draft", remote_drafter="bench", remote_timeout_s=timeout_s, remote_reprobe_s=1.0)

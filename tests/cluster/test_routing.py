@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from cluster.api import ApiError, ErrorCode
@@ -154,7 +156,7 @@ def test_tuning_explain_command_prints_cold_start_choices_when_redis_is_unreacha
     rows = [dict(zip(header, line.split("\t"))) for line in lines[2:]]
     assert len(rows) == 2 * 11 and {r["batch"] for r in rows} == {"1", "16"}
     assert all(r["mode"] in ("ngram", "none") for r in rows)  # the EAGLE head does not pay here, cold
-    assert all("ngram=" in r["scores"] and "draft=" in r["scores"] for r in rows)
+    assert all("ngram=" in r["scores"] and "draft=" not in r["scores"] for r in rows)  # draft: auto: false
     assert float(next(r for r in rows if r["workload_class"] == "translation" and r["batch"] == "1")["k"]) >= 4
     assert main(["tuning", "--config", str(cfg), "--explain", "--batches", "1,x"]) == 2
     assert "--batches" in capsys.readouterr().err
@@ -213,3 +215,29 @@ def test_pool_growth_config_is_validated(kw, message):
 
     with pytest.raises(ValidationError, match=message):
         PoolConfig(model="m", **kw)
+
+
+def test_auto_never_chooses_a_pool_that_serves_only_its_mode():
+    import random
+
+    from cluster.policy import TuningView
+
+    # a draft pool the priors score far above n-gram, and an exploring RNG: still never chosen by auto
+    draft = PoolView("draft", "m", SpecMode.DRAFT_MODEL, 4, prior_alpha=(("*", 0.95),), auto=False)
+    ngram = PoolView("ngram", "m", SpecMode.NGRAM, 6, prior_alpha=(("*", 0.05),))
+    tuning = TuningView(model="m", rng=random.Random(0))
+    assert {route([draft, ngram], ROUTER, "chat", tuning=tuning).pool for _ in range(200)} == {"ngram"}
+    assert route([draft, ngram], ROUTER, "chat").pool == "ngram"
+    assert route([replace(draft, auto=True), ngram], ROUTER, "chat").pool == "draft"
+    # asked for by mode, it serves
+    assert route([draft, ngram], ROUTER, "chat", "draft_model", 2).pool == "draft"
+
+
+def test_a_model_without_an_auto_pool_is_refused_naming_the_field():
+    from pydantic import ValidationError
+
+    from cluster.config import ClusterConfig
+
+    with pytest.raises(ValidationError, match="no pool of model 'm' has auto: true"):
+        ClusterConfig(models={"m": {"source": "hf:x/y"}},
+                      pools={"p": {"model": "m", "method": "ngram", "max_k": 2, "auto": False}})

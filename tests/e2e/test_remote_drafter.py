@@ -29,6 +29,7 @@ def remote_overrides(raw: dict) -> None:
     serving a standalone draft model (the target's first 4 layers: the drafter deployment runs a
     causal LM, whatever form the local draft pool's own drafter has)."""
     draft = raw["pools"]["draft"]
+    draft.pop("auto", None)  # these are the config's only pools: auto must be able to choose them
     remote = copy.deepcopy(draft)
     remote.pop("drafter")
     remote.pop("prior_alpha", None)

@@ -49,7 +49,7 @@ def platform_engine_kwargs(max_model_len: int, cpu_build: Optional[bool] = None)
     carries a `seed`, vLLM rewinds that request's torch.Generator with `set_offset` (the sampled
     token of a partial prefill is discarded), which only CUDA generators implement; on the CPU the
     engine core dies with "CPU Generator does not use offset" and takes every request with it
-    (found by `specserve distill --self-instruct`, BENCHMARKS.md 9.5; vLLM's own note on it:
+    (found by `specserve distill --self-instruct`, BENCHMARKS.md 9.2; vLLM's own note on it:
     vllm-project/vllm#10097). Without chunked prefill no prompt is split, so nothing is rewound; the
     budget must then hold a whole prompt of max_model_len tokens plus the draft slots.
 

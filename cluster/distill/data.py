@@ -259,7 +259,7 @@ class CorpusSpec:
     temperature: float
     seed: int
     # The target in bfloat16 for this corpus (vLLM dtype and the features' autocast): ~1.5x faster
-    # generation and ~2.7x faster features on a CPU with AVX512-BF16 (BENCHMARKS 9.2d). Its features
+    # generation and ~2.7x faster features on a CPU with AVX512-BF16 (BENCHMARKS 9.2). Its features
     # are ~0.7% off fp32 ones, well inside the training's own feature noise; for training text, not
     # for the held-out corpus, which stays what a float32 engine serves.
     bf16: bool = False

@@ -40,8 +40,8 @@ import time
 from typing import Any, Optional, Sequence
 
 from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP
-from cluster.step_k import (PRIOR_RELATIVE_COST, RequestDrafts, StepCost, StepCostLine, acceptance, choose_step_ks,
-                            next_acceptance)
+from cluster.step_k import (PRIOR_RELATIVE_COST, RequestDrafts, StepCost, StepCostLine, acceptance, batch_optimism,
+                            choose_step_ks, next_acceptance)
 
 # Attributes the scheduler keeps on a vLLM Request: the K state of a growing request, and the
 # effective K its latest drafts were trimmed to.
@@ -236,7 +236,8 @@ def _make_scheduler_cls():
                 k = self._k_for(request, batch_size)
                 drafts = len(draft_token_ids.draft_token_ids[i])
                 if alpha is not None:
-                    alpha = acceptance(alpha, *getattr(request, _ACCEPT, (0.0, 0.0)))
+                    alpha = acceptance(alpha, *getattr(request, _ACCEPT, (0.0, 0.0)),
+                                       optimism=batch_optimism(batch_size))
                 rows.append((i, request))
                 choices.append(RequestDrafts(alpha=alpha or 0.0, drafts=drafts, ceiling=k, fixed=alpha is None))
             line = self.step_cost.line() or StepCostLine(*PRIOR_RELATIVE_COST)

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.step_k import (RequestDrafts, StepCost, StepCostLine, acceptance, batch_rate, choose_step_ks,
+from cluster.step_k import (RequestDrafts, StepCost, StepCostLine, acceptance, batch_optimism, batch_rate,
+                            choose_step_ks,
                             next_acceptance)
 
 lines = st.builds(StepCostLine, a=st.floats(0.01, 1.0), c=st.floats(0.0, 1.0), b=st.floats(0.0, 0.5),
@@ -136,3 +137,22 @@ def test_a_step_far_slower_than_the_line_is_left_out():
         cost.observe(1, 3, 0.033)
     assert not cost.observe(1, 3, 5.0)  # a JIT compile or a stolen core, not what drafting costs
     assert cost.outliers == 1 and cost.line().f < 0.01
+
+
+def test_exploration_is_spread_over_the_batch():
+    """An optimistic draft explores for one request and costs the whole step: in a full batch a
+    request with thin evidence and a middling class α does not draft on optimism, alone it does."""
+    line = StepCostLine(a=0.040, c=0.004, b=0.003, f=0.001)  # the CPU line measured on the tune half
+    alpha = 0.45
+    alone = acceptance(alpha, 0.0, 0.0, optimism=batch_optimism(1))
+    assert choose_step_ks([RequestDrafts(alone, 6, 6)], line)[0] >= 2
+    crowded = acceptance(alpha, 0.0, 0.0, optimism=batch_optimism(16))
+    assert crowded < alone
+    assert choose_step_ks([RequestDrafts(crowded, 6, 6)] * 16, line) == [0] * 16
+    # a request whose own steps show it copying still drafts in the full batch
+    s = f = 0.0
+    for _ in range(4):
+        s, f = next_acceptance(s, f, 6, 6)
+    copier = acceptance(alpha, s, f, optimism=batch_optimism(16))
+    ks = choose_step_ks([RequestDrafts(crowded, 6, 6)] * 15 + [RequestDrafts(copier, 6, 6)], line)
+    assert ks[:15] == [0] * 15 and ks[15] >= 2

@@ -161,6 +161,15 @@ class PoolConfig(_Strict):
             "(whose drafter drafts the K it is asked)."
         ),
     )
+    step_k_max_batch: Optional[int] = Field(
+        None, ge=0, le=4096,
+        description=(
+            "With step_k: the largest number of running requests at which the engine verifies drafts for "
+            "requests whose K it chooses; in a larger batch they decode plainly and the proposer is not "
+            "asked for drafts (requests with a caller's K keep it). Set it where measurement shows "
+            "drafting stops paying on the hardware (unset: no bound, the per-step choice alone decides)."
+        ),
+    )
     auto: bool = Field(
         True,
         description=(

@@ -47,8 +47,10 @@ from cluster.step_k import (PRIOR_RELATIVE_COST, RequestDrafts, StepCost, StepCo
 # effective K its latest drafts were trimmed to.
 _K_STATE, _K_USED = "_specserve_k_state", "_specserve_k_used"
 _ACCEPT = "_specserve_accept"  # (successes, failures) of a per-step-K request's recent drafts
-# Key under vLLM's `additional_config` holding specserve's engine-side settings.
+# Key under vLLM's `additional_config` holding specserve's engine-side settings, and the setting
+# that bounds the batch at which per-step-K requests draft (`PoolConfig.step_k_max_batch`).
 ADDITIONAL_CONFIG_KEY = "specserve"
+STEP_K_MAX_BATCH_KEY = "step_k_max_batch"
 KCapTable = Sequence[tuple[int, int]]  # [(min_batch_size, k_cap), ...] sorted by min_batch_size
 
 
@@ -116,6 +118,18 @@ def step_alpha_from(extra_args: Optional[dict[str, Any]]) -> Optional[float]:
     except (TypeError, ValueError):
         return None
     return alpha if 0.0 <= alpha <= 1.0 else None
+
+
+def step_ceiling(k_requested: int, k_max: int, batch_size: int, max_batch: Optional[int]) -> int:
+    """The largest K a per-step-K request may verify this step: its ceiling, or 0 in a batch larger
+    than the pool's `step_k_max_batch` (None: no bound).
+
+    >>> step_ceiling(6, 6, 4, 4), step_ceiling(6, 6, 5, 4), step_ceiling(9, 6, 16, None), step_ceiling(3, 6, 1, 0)
+    (6, 0, 6, 0)
+    """
+    if max_batch is not None and batch_size > max_batch:
+        return 0
+    return max(0, min(k_requested, k_max))
 
 
 def step_shape(num_scheduled_tokens: dict[str, int], spec_tokens: Optional[dict[str, list]]) -> Optional[tuple[int, int]]:
@@ -205,6 +219,8 @@ def _make_scheduler_cls():
             extra = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {})
             table = extra.get("k_cap_by_batch") or None
             self.k_cap_table = sorted((int(a), int(b)) for a, b in table) if table else None
+            max_batch = extra.get(STEP_K_MAX_BATCH_KEY)
+            self.step_k_max_batch = int(max_batch) if max_batch is not None else None
             self.step_cost = StepCost()
             self._step_started: Optional[tuple[float, int, int]] = None  # (perf_counter, requests, drafts)
 
@@ -213,8 +229,8 @@ def _make_scheduler_cls():
             is judged (its state + step, when it grows), which is what the proposer must draft."""
             extra = request.sampling_params.extra_args if request.sampling_params is not None else None
             k_req = requested_k(extra, self.num_spec_tokens)
-            if step_alpha_from(extra) is not None:
-                return min(k_req, self.num_spec_tokens)  # its ceiling; update_draft_token_ids picks
+            if step_alpha_from(extra) is not None:  # its ceiling; update_draft_token_ids picks
+                return step_ceiling(k_req, self.num_spec_tokens, batch_size, self.step_k_max_batch)
             table = cap_table_from(extra) or self.k_cap_table
             k_state = getattr(request, _K_STATE, None)
             growth = growth_from(extra) if ahead else None

@@ -18,7 +18,7 @@ from cluster.autoscale import LatencyWindow
 from cluster.config import PoolConfig
 from cluster.placement import platform_engine_kwargs
 from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP, SpecMode, SpecStats, accepted_runs
-from cluster.vllm_scheduler import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS_PATH
+from cluster.vllm_scheduler import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS_PATH, STEP_K_MAX_BATCH_KEY
 
 log = logging.getLogger("specserve.engine")
 
@@ -97,7 +97,8 @@ def engine_kwargs(
         async_scheduling=False,
         per_request_spec_decode_metrics="detailed",  # per-step drafted counts -> per-position rates
         speculative_config=speculative_config(pool, drafter_path),
-        additional_config={ADDITIONAL_CONFIG_KEY: {}},
+        additional_config={ADDITIONAL_CONFIG_KEY: (
+            {STEP_K_MAX_BATCH_KEY: pool.step_k_max_batch} if pool.step_k_max_batch is not None else {})},
         enable_log_requests=False,
     )
     if pool.method == SpecMode.REMOTE_DRAFT:

@@ -137,7 +137,7 @@ def _scheduler(monkeypatch, requests: dict):
     cls = vllm_scheduler.PerRequestKScheduler
     sched = cls.__new__(cls)
     sched.requests, sched.running, sched.num_spec_tokens, sched.k_cap_table = requests, list(requests.values()), 6, None
-    sched.step_cost, sched._step_started = StepCost(), None
+    sched.step_cost, sched._step_started, sched.step_k_max_batch = StepCost(), None, None
     return sched
 
 
@@ -264,3 +264,22 @@ def test_decode_steps_feed_the_step_cost_and_prefill_steps_do_not(monkeypatch):
         sched.schedule()
         sched.update_from_output(*empty)
     assert sched.step_cost.steps == 2  # the prefill step was not a decode step
+
+
+def test_above_the_pools_batch_bound_per_step_k_requests_neither_draft_nor_ask_the_proposer(monkeypatch):
+    """`step_k_max_batch`: in a larger batch the per-step-K requests verify nothing and, with no
+    fixed-K request beside them, the proposer is asked for no drafts (the engine decodes plainly);
+    a caller's fixed K is kept; at or below the bound the per-step choice decides again."""
+    reqs = {f"r{i}": _Req({"specserve_k": 6, "specserve_k_step": 0.9}) for i in range(5)}
+    sched = _scheduler(monkeypatch, reqs)
+    sched.step_k_max_batch = 4
+    assert sched.schedule().num_spec_tokens_to_schedule == 0
+    assert set(_step(sched, {r: 6 for r in reqs}).values()) == {0}
+    sched.running = sched.running[:4]
+    assert sched.schedule().num_spec_tokens_to_schedule == 6
+    assert max(_step(sched, {r: 6 for r in reqs}).values()) >= 1
+    mixed = _scheduler(monkeypatch, {**reqs, "fixed": _Req({"specserve_k": 2})})
+    mixed.step_k_max_batch = 4
+    assert mixed.schedule().num_spec_tokens_to_schedule == 2
+    ks = _step(mixed, {r: 2 for r in mixed.requests})
+    assert ks["fixed"] == 2 and all(ks[r] == 0 for r in reqs)

@@ -165,6 +165,26 @@ def test_router_decided_requests_get_their_k_per_step_in_the_engine(cluster):
     assert auto["steps"] < 0.8 * plain["steps"], (auto, plain)
 
 
+def test_above_the_pools_batch_bound_router_requests_decode_plainly(cluster):
+    """`step_k_max_batch` (4 in the embedded config): 8 router-decided copies in one batch verify
+    (almost) no drafts, where the same copy alone drafts deep, and the greedy text is the same."""
+    text = ("Repeat the following paragraph word for word: The quick brown fox jumps over the lazy dog. "
+            "A journey of a thousand miles begins with a single step. All that glitters is not gold.")
+
+    async def run():
+        async with httpx.AsyncClient() as client:
+            alone = await chat(client, cluster.http_url, text, 64)
+            crowd = await asyncio.gather(*(chat(client, cluster.http_url, text, 64) for _ in range(8)))
+            return alone, crowd
+
+    alone, crowd = asyncio.run(run())
+    alone, crowd = alone["specserve"], [r["specserve"] for r in crowd]
+    assert all(r["token_ids"] == alone["token_ids"] for r in crowd), "greedy text changed"
+    assert all(r["decided_by"] == "policy" and r["mode"] == "ngram" for r in crowd)
+    assert alone["drafted"] >= 20, alone
+    assert sum(r["drafted"] for r in crowd) < 0.25 * 8 * alone["drafted"], [r["drafted"] for r in crowd]
+
+
 def test_engines_run_at_normal_priority(cluster):
     """Ray starts workers at nice 15; an engine there yields its core to any ordinary process
     (a client, a stock server beside it) and once missed its health check that way."""

@@ -1,0 +1,118 @@
+"""Cold-start n-gram acceptance per workload class, from the tune half of the prompts only.
+
+    python -m cluster.bench.prior_alpha [--config cluster/configs/local-cpu.yaml] [--pool ngram]
+        [--split tune] [--max-tokens 128] [--min-prompts 5]
+
+Decodes every prompt of the split greedily without speculation in one offline vLLM engine built like
+the pool's (`deployments.engine.engine_kwargs`), replays each output through vLLM's own n-gram matcher
+at the pool's `ngram_min..ngram_max` with K = the pool's max_k (`cluster.bench.k_replay.replay`), and
+prints α per class (as the router classifies the prompt): the chance a draft is accepted given the
+ones before it were, counted as the engine's per-request acceptance counts it (each accepted draft a
+success, each step whose drafts were not all accepted one failure). A class with fewer than
+`--min-prompts` prompts is served by `"*"`, pooled over those thin classes. The output is the pool's
+`prior_alpha` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from typing import Iterable, Optional, Sequence
+
+from cluster.bench.k_replay import StaticK, Step, ngram_proposer, replay
+from cluster.bench.split import TUNE, SPLITS, keep
+from cluster.bench.workload import load_prompts
+from cluster.classifier import classify
+
+POOLED = "*"
+
+
+def counts(steps: Iterable[Step]) -> tuple[int, int, int, int]:
+    """(successes, failures, drafting steps, steps) of one request's replayed steps.
+
+    >>> counts([Step(6, 6, 6), Step(6, 3, 1), Step(6, 0, 0)])
+    (7, 1, 2, 3)
+    """
+    s = f = drafting = n = 0
+    for step in steps:
+        n += 1
+        if step.drafted:
+            drafting += 1
+            s += step.accepted
+            f += 1 if step.accepted < step.drafted else 0
+    return s, f, drafting, n
+
+
+def class_alphas(per_request: Sequence[tuple[str, tuple[int, int, int, int]]], min_prompts: int = 5) -> dict[str, float]:
+    """α per class from (class, counts) rows. `"*"`, which serves every class not listed, is pooled
+    over the thin classes' prompts (over all prompts when no class is thin).
+
+    >>> class_alphas([("a", (8, 2, 5, 9)), ("a", (6, 4, 5, 9)), ("b", (1, 9, 5, 9))], min_prompts=2)
+    {'a': 0.7, '*': 0.1}
+    >>> class_alphas([("a", (8, 2, 5, 9))], min_prompts=1)
+    {'a': 0.8, '*': 0.8}
+    """
+    by: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for cls, (s, f, _, _) in per_request:
+        by[cls][0] += s
+        by[cls][1] += f
+        by[cls][2] += 1
+    listed = {cls for cls, (s, f, n) in by.items() if n >= min_prompts and s + f > 0}
+    out = {cls: round(by[cls][0] / (by[cls][0] + by[cls][1]), 2) for cls in sorted(listed)}
+    rest = [v for cls, v in by.items() if cls not in listed] or list(by.values())
+    s, f = sum(v[0] for v in rest), sum(v[1] for v in rest)
+    out[POOLED] = round(s / (s + f), 2) if s + f else 0.0
+    return out
+
+
+def _greedy_outputs(config_path: str, pool_name: str, split: str, max_tokens: int) -> list[tuple[str, list[int], list[int]]]:
+    from cluster.config import load_config
+    from cluster.models import resolve_model
+    from deployments.engine import engine_kwargs
+
+    config = load_config(config_path)
+    pool = config.pools[pool_name]
+    kwargs = engine_kwargs(pool, resolve_model(pool.model, config), None, pool.model, config.models[pool.model].dtype)
+    for key in ("enable_log_requests", "scheduler_cls", "speculative_config", "additional_config",
+                "per_request_spec_decode_metrics"):
+        kwargs.pop(key, None)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**kwargs)
+    tok = llm.get_tokenizer()
+    rows = []
+    for p in keep(load_prompts(), split):
+        text = tok.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False).input_ids
+        if len(ids) + max_tokens < pool.max_model_len:
+            rows.append((classify(messages=p.messages), text, ids))
+    outs = llm.generate([r[1] for r in rows], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    return [(cls, ids, list(o.outputs[0].token_ids)) for (cls, _, ids), o in zip(rows, outs)]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cluster.bench.prior_alpha", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="cluster/configs/local-cpu.yaml")
+    ap.add_argument("--pool", default="ngram")
+    ap.add_argument("--split", default=TUNE, choices=SPLITS)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--min-prompts", type=int, default=5)
+    args = ap.parse_args(argv)
+    from cluster.config import load_config
+
+    pool = load_config(args.config).pools[args.pool]
+    propose = ngram_proposer(pool.ngram_min, pool.ngram_max)
+    rows = [(cls, counts(replay(ids, out, StaticK(pool.max_k), propose)))
+            for cls, ids, out in _greedy_outputs(args.config, args.pool, args.split, args.max_tokens)]
+    for cls in sorted({c for c, _ in rows}):
+        s, f, d, n = (sum(r[1][i] for r in rows if r[0] == cls) for i in range(4))
+        print(f"# {cls}: {sum(1 for r in rows if r[0] == cls)} prompts, alpha {s / max(s + f, 1):.2f}, "
+              f"drafting steps {d / max(n, 1):.2f}", file=sys.stderr)
+    print("prior_alpha: " + json.dumps(class_alphas(rows, args.min_prompts)))
+    return 0
+
+
+if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
+    sys.exit(main())

@@ -87,6 +87,44 @@ def poisson_offsets(segments: list[tuple[float, float]], seed: int = 0) -> list[
     return out
 
 
+def mmpp_rows(seconds: float, rates: tuple[float, float], dwell_s: tuple[float, float], seed: int = 0,
+              median_generated: int = 120, median_context: int = 600) -> list[TraceRow]:
+    """A bursty arrival file: a two-state Markov-modulated Poisson process (a calm and a burst rate,
+    exponential dwell times), the shape of production LLM traffic (e.g. Azure's public traces: calm
+    stretches and bursts several times the mean), with log-normal ContextTokens and GeneratedTokens.
+    Seeded, so the committed file can be made again.
+
+    >>> rows = mmpp_rows(600.0, (0.5, 6.0), (120.0, 30.0), seed=1)
+    >>> 300 < len(rows) < 3000 and rows == sorted(rows, key=lambda r: r.t_s) and rows[-1].t_s < 600.0
+    True
+    >>> all(r.generated_tokens >= 1 and r.context_tokens >= 1 for r in rows)
+    True
+    """
+    rng = random.Random(seed)
+    out: list[TraceRow] = []
+    t, state = 0.0, 0
+    while t < seconds:
+        end = min(seconds, t + rng.expovariate(1.0 / dwell_s[state]))
+        if rates[state] > 0:
+            t += rng.expovariate(rates[state])
+            while t < end:
+                out.append(TraceRow(round(t, 3), max(1, int(rng.lognormvariate(math.log(median_context), 0.8))),
+                                    max(1, int(rng.lognormvariate(math.log(median_generated), 0.7)))))
+                t += rng.expovariate(rates[state])
+        t, state = end, 1 - state
+    return out
+
+
+def rows_csv(rows: list[TraceRow]) -> str:
+    """The Azure trace's columns, plain-second timestamps.
+
+    >>> rows_csv([TraceRow(1.5, 10, 20)])
+    'TIMESTAMP,ContextTokens,GeneratedTokens\\n1.5,10,20\\n'
+    """
+    return "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"{r.t_s},{r.context_tokens},{r.generated_tokens}\n" for r in rows)
+
+
 def parse_timestamp(text: str) -> float:
     """Seconds: a plain number as is, an ISO date-time as seconds since the epoch (naive = UTC;
     more than six fractional digits are cut, as the Azure trace has seven).
@@ -225,3 +263,30 @@ def offsets_from_args(args, seed: int) -> tuple[list[float], Optional[list[Optio
                 f"{args.trace_file}" + (f" at {args.trace_rate:g} req/s" if args.trace_rate else "")
                 + (f", first {args.trace_window_s:g} s" if args.trace_window_s else ""))
     return [], None, ""
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`python -m cluster.bench.trace mmpp --seconds S --rates CALM,BURST --dwell CALM_S,BURST_S --seed N > f.csv`"""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m cluster.bench.trace", description="Write a bursty arrival CSV.")
+    ap.add_argument("kind", choices=["mmpp"])
+    ap.add_argument("--seconds", type=float, default=600.0)
+    ap.add_argument("--rates", default="0.5,6", help="calm,burst arrivals per second")
+    ap.add_argument("--dwell", default="120,30", help="mean seconds in the calm and in the burst state")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    try:
+        rates = tuple(float(x) for x in args.rates.split(","))
+        dwell = tuple(float(x) for x in args.dwell.split(","))
+    except ValueError:
+        ap.error("--rates and --dwell: two comma-separated numbers each")
+    if len(rates) != 2 or len(dwell) != 2 or min(rates) < 0 or min(dwell) <= 0:
+        ap.error("--rates: two rates >= 0; --dwell: two durations > 0")
+    sys.stdout.write(rows_csv(mmpp_rows(args.seconds, rates, dwell, args.seed)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

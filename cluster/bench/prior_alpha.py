@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections import defaultdict
 from typing import Iterable, Optional, Sequence
@@ -68,16 +69,16 @@ def class_alphas(per_request: Sequence[tuple[str, tuple[int, int, int, int]]], m
 
 
 def _greedy_outputs(config_path: str, pool_name: str, split: str, max_tokens: int) -> list[tuple[str, list[int], list[int]]]:
+    """(class, prompt ids, greedy output ids) per prompt of the split, from a plain engine built like
+    the pool's (the stock anchors' arguments and environment: `cluster.bench.anchors`)."""
+    from cluster.bench.anchors import stock_engine_args, stock_env
     from cluster.config import load_config
     from cluster.models import resolve_model
-    from deployments.engine import engine_kwargs
 
     config = load_config(config_path)
     pool = config.pools[pool_name]
-    kwargs = engine_kwargs(pool, resolve_model(pool.model, config), None, pool.model, config.models[pool.model].dtype)
-    for key in ("enable_log_requests", "scheduler_cls", "speculative_config", "additional_config",
-                "per_request_spec_decode_metrics"):
-        kwargs.pop(key, None)
+    kwargs = stock_engine_args(pool, resolve_model(pool.model, config), pool.model, config.models[pool.model].dtype)
+    os.environ.update(stock_env(pool))  # the pool's KV cache size and Intel OpenMP, for the spawned engine
     from vllm import LLM, SamplingParams
 
     llm = LLM(**kwargs)
@@ -87,9 +88,11 @@ def _greedy_outputs(config_path: str, pool_name: str, split: str, max_tokens: in
         text = tok.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True)
         ids = tok(text, add_special_tokens=False).input_ids
         if len(ids) + max_tokens < pool.max_model_len:
-            rows.append((classify(messages=p.messages), text, ids))
-    outs = llm.generate([r[1] for r in rows], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-    return [(cls, ids, list(o.outputs[0].token_ids)) for (cls, _, ids), o in zip(rows, outs)]
+            rows.append((classify(messages=p.messages), ids))
+    # The engine decodes the very ids the matcher replays (no second tokenization).
+    outs = llm.generate([{"prompt_token_ids": ids} for _, ids in rows],
+                        SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    return [(cls, ids, list(o.outputs[0].token_ids)) for (cls, ids), o in zip(rows, outs)]
 
 
 def main(argv: Optional[list[str]] = None) -> int:

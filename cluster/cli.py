@@ -177,9 +177,9 @@ def interrupt_on_signals() -> None:
     """Make SIGINT and SIGTERM raise KeyboardInterrupt in the main thread, whatever their
     disposition was. A process started from a shell script's background job (`specserve up &`
     without job control, as CI runs its tests) inherits SIGINT *ignored*, and Python then leaves it
-    ignored: an interrupt during start-up did nothing, the cluster came up anyway (CI, session 17:
-    the lifecycle test's interrupt was acted on only once `up` had installed its serving-time
-    handler, 3 minutes later). SIGTERM is handled the same way so a start-up stopped by a process
+    ignored: an interrupt during start-up did nothing, the cluster came up anyway (in CI the
+    lifecycle test's interrupt was acted on only once `up` had installed its serving-time handler,
+    3 minutes later). SIGTERM is handled the same way so a start-up stopped by a process
     manager also stops what it started (its default would kill `up` and leave Redis running)."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, _raise_interrupt)

@@ -22,7 +22,7 @@ pool's per-step `k_cap_by_batch` table from the same state. Words are those of
   E_run(K) = (D + sum (L + 1)·g_L) / (D + sum g_L·ceil((L + 1) / (K + 1))) (D: draftless steps)
   is exact where the geometric E is not: it knows that K = 5 saves no step over K = 4 on a copy of
   12 tokens. E(K) blends E_run with the geometric E (the prior) by the runs' count against
-  `prior_runs`. (Found in session 6's r7: fitted at K = 6, the geometric model expected ~10% more
+  `prior_runs`. (Fitted at K = 6, the geometric model expected ~10% more
   tokens per step from K = 6 than from K = 4 for summarization, where the same prompts measured
   1.88 and 1.83, so auto paid for two more draft tokens per step that bought nothing.)
 - **rejected steps**: steps that ended on a rejected draft, or drafted nothing (the tuning state
@@ -454,7 +454,7 @@ def step_cost(view: Optional[TuningView], mode: str, bucket: str, params: Policy
     >>> [round(x, 3) for x in step_cost(v, "eagle", "1", draft_cost=(0.2, 0.05))]  # prior 0.2 + 0.08 at K = 1
     [0.357, 0.143]
 
-    Measured here (r8, 4 streams): n-gram steps at K = 4 took 1.294 plain steps and at mean K 1.86
+    Measured here (4 streams): n-gram steps at K = 4 took 1.294 plain steps and at mean K 1.86
     1.247, i.e. f = 0.21 and c = 0.022, where the overhead at the cells' mean K alone (f = 0) read
     c = 0.087 per token and made every K above 2 look too dear. Two groups at K = 1 and 4 of that
     shape:
@@ -551,8 +551,8 @@ def measured_overheads(view: Optional[TuningView], mode: str, bucket: str,
     # A drafting step does more work than a plain one: when some K reads cheaper than plain steps, the
     # plain steps are what is off (measured at other times, under other load), so the cheapest K
     # becomes the baseline and the differences between the Ks survive, instead of every K below
-    # the baseline reading 0 (r15: plain steps measured while the machine was loaded put K = 1..6
-    # all at 0 and K = 6's extra 5% went unseen).
+    # the baseline reading 0 (plain steps measured while the machine was loaded once put K = 1..6
+    # all at 0, and K = 6's extra 5% went unseen).
     floor = min([1.0] + [ratio for ratio, _ in ratios.values()])
     return {k: (min(ratio / floor - 1.0, 2.0 + 0.5 * k), n) for k, (ratio, n) in ratios.items()}  # floor <= ratio
 
@@ -598,8 +598,8 @@ def _bucket_step_rel(view: Optional[TuningView], bucket: str, params: PolicyPara
 
 def step_time_rel(view: Optional[TuningView], bucket: str, params: PolicyParams = DEFAULT_PARAMS) -> float:
     """Plain step time at `bucket` relative to batch 1 (measured when both buckets have data), never
-    below a smaller bucket's: a larger batch does not step faster, and noisy cells said so (after
-    session 5's r6: 1.72 at batch 2-3, 1.36 at 4-7)."""
+    below a smaller bucket's: a larger batch does not step faster, and noisy cells said so (1.72 at
+    batch 2-3 against 1.36 at 4-7 in one measured table)."""
     order = BUCKET_NAMES.index(bucket)
     return max(_bucket_step_rel(view, b, params) for b in BUCKET_NAMES[:order + 1])
 

@@ -88,7 +88,7 @@ def cap_at_admission(decision: Decision, table, batch: float) -> Decision:
     the request joins (the engine applies the same cap at every step, `cluster.vllm_scheduler`), so
     that the K the response reports, the K-chosen metric and the tuning counters of that K (the
     step time per K) are the K that ran. The policy's own K stays in `detail["k_uncapped"]`.
-    (r13: the cap table capped every K = 6 choice to 5 at batch 1, and their steps were filed under
+    (Otherwise a cap table that caps every K = 6 choice to 5 at batch 1 files their steps under
     K = 6.)
 
     >>> d = Decision(pool="ngram", mode=SpecMode.NGRAM, k=6, decided_by="policy")

@@ -6,7 +6,7 @@ default pool for K = 0), sums each (task, K) through the tuning state's own incr
 validation (what Redis would hold), then, from the cell measured at `--observed-k` alone, predicts
 tokens per step at every K two ways, and prints them beside the measured value:
 
-- geometric: E(α, K, p) from α and p of that cell (what the policy used until session 7);
+- geometric: E(α, K, p) from α and p of that cell (the policy's model before accepted runs);
 - runs: E_run(K) from the cell's accepted runs (`cluster.policy.run_tokens_per_step`).
 
     python -m cluster.bench.runs_check [--url http://127.0.0.1:8000] [--tasks summarization,translation]

@@ -31,8 +31,8 @@ SPECBENCH = Path(__file__).resolve().parents[1] / "data" / "specbench-dev.jsonl"
 
 # Templated training requests (`synthetic_instructions`): 48 templates in the styles of Spec-Bench's
 # first turns (MT-bench's writing, roleplay, reasoning, math, coding, extraction, STEM and humanities;
-# natural questions; summaries) over 120 topics. Until session 19 it was 10 templates over 30
-# topics (270 distinct single-topic requests), which a corpus of 1,000+ requests repeats many times.
+# natural questions; summaries) over 120 topics: with 10 templates over 30 topics (270 distinct
+# single-topic requests) a corpus of 1,000+ requests repeats each many times.
 _TEMPLATES = [
     "Explain {} to a ten-year-old.",
     "Write a short story about {}.",

@@ -46,7 +46,7 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     sub_vocab: bool = True  # loss over the training samples' tokens only (else all V)
-    # Against memorising a small corpus (r2: acceptance length 2.8 on training text, 1.3 held out):
+    # Against memorising a small corpus (a head reached acceptance length 2.8 on its training text, 1.3 held out):
     context: int = 64  # prompt tokens kept before the continuation (the window's left edge)
     supervise_prompt: bool = False  # also distil on the kept prompt positions (free: features exist)
     feat_noise: float = 0.0  # eagle: uniform noise on the input features, times their RMS (EAGLE-1: data noise)

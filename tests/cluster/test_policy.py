@@ -467,7 +467,7 @@ def test_exploration_never_buys_plain_decoding_where_speculation_is_expected_to_
     bounded = replace(P, prior_trials=2.0)
     pools = [ngram(prior=0.4), plain()]
     explored, exploited = _explored(pools, "chat", {}, unbounded)
-    assert sum(d.k == 0 for d in explored) > 30  # what the bound removes (r20: heldout-46 plain, 3.43 s vs 1.40 s)
+    assert sum(d.k == 0 for d in explored) > 30  # what the bound removes (one held-out prompt: plain 3.43 s vs 1.40 s)
     explored, exploited = _explored(pools, "chat", {}, bounded)
     assert len(explored) > 500 and not [d for d in explored if d.k == 0]
     assert {d.k for d in exploited} == {2} and len({d.k for d in explored}) >= 4  # K still explored
@@ -685,7 +685,7 @@ def test_measured_eagle_costs_reproduce_what_vllm_measured_here():
 
 
 def test_low_acceptance_model_drafter_is_not_chosen_cold():
-    """Session 5, r5: with a GPU-like 0.05 per token the cold EAGLE pool (α 0.19) scored 1.10 at K = 1
+    """With a GPU-like 0.05 per token the cold EAGLE pool (α 0.19) scored 1.10 at K = 1
     and took creative / chat traffic at 4 streams from the n-gram engine; with its measured cost it
     scores below plain decoding and traffic stays on the n-gram pool."""
     ng = replace(ngram(prior=0.62), hardware_group="hw")
@@ -776,7 +776,7 @@ def _plain_steps(ms_by_bucket):
 
 
 def test_step_time_never_falls_with_load():
-    # r6's measured cells: 2-3 read slower than 4-7 (noise); the larger bucket takes the smaller's
+    # measured cells: 2-3 read slower than 4-7 (noise); the larger bucket takes the smaller's
     view = _plain_steps({"1": 100, "2-3": 172, "4-7": 136, "8-15": 363, "16+": 664})
     rel = [step_time_rel(view, b) for b in BUCKET_NAMES]
     assert rel == sorted(rel) and rel[2] == pytest.approx(rel[1])
@@ -997,7 +997,7 @@ def _without_per_k(view):
 
 
 def test_step_time_per_k_chooses_the_k_a_linear_cost_cannot_see():
-    """r12: a K = 6 step cost ~5% more than a K = 4 one while the linear fit read 0.004 per draft
+    """Measured: a K = 6 step cost ~5% more than a K = 4 one while the linear fit read 0.004 per draft
     token, so auto chose K = 6 for half its requests and lost ~1.5% per step to `ngram:4`."""
     text, view = _per_k_view()
     truth = {k: (lambda st: st[2] / st[1])(_decode(text, k)) / R12_STEP_REL.get(k, 1.0) for k in range(7)}
@@ -1006,7 +1006,7 @@ def test_step_time_per_k_chooses_the_k_a_linear_cost_cannot_see():
     assert d.k == 4 and d.detail["step_overhead"] < 0.01
     over = step_overheads(view, "ngram", "1", 6)
     assert over[1] > over[4] < over[6]  # the U a line through it flattens
-    # Without the step time per K (the cells as session 10 kept them) the line through every K is
+    # Without the step time per K (cells without per-K step times) the line through every K is
     # nearly flat (steps below plain ones clamp its intercept to 0) and K = 6, with the most tokens
     # per step, wins.
     f, c = step_cost(_without_per_k(view), "ngram", "1")
@@ -1028,7 +1028,7 @@ def test_step_time_per_k_needs_enough_steps_and_is_blended_with_the_linear_prior
     w = n6 / (n6 + P.prior_cost_steps)
     assert step_overheads(some, "ngram", "1", 6)[6] == pytest.approx(w * 0.3 + (1 - w) * (f + 6 * c))
     _, many = _per_k_view(requests=400)  # the measurement dominates the prior
-    # r12's K = 2..5 steps read cheaper than its plain ones: the cheapest (K = 4) is the baseline.
+    # The measured K = 2..5 steps read cheaper than its plain ones: the cheapest (K = 4) is the baseline.
     expected = (0.0,) + tuple(R12_STEP_REL[k] / R12_STEP_REL[4] - 1.0 for k in range(1, 7))
     assert step_overheads(many, "ngram", "1", 6) == pytest.approx(expected, abs=2e-3)
     assert step_overheads(many, "ngram", "1", 3) == pytest.approx(expected[:4], abs=2e-3)  # cut at max_k
@@ -1061,7 +1061,7 @@ def test_the_cap_table_uses_the_step_time_per_k():
 
 
 def test_the_cap_at_batch_1_never_undercuts_a_class_choice():
-    """r13: a class that chose K = 6 by just over the 1% tie shared the cap table with a larger
+    """A class that chose K = 6 by just over the 1% tie shared the cap table with a larger
     class at K = 4; the traffic-weighted cap 5 tied with 6, the smaller won, and every K = 6 choice
     ran at 5 at batch 1. At the bucket the choices were made at, the cap is the largest of them."""
     _, chat = _per_k_view(requests=40)

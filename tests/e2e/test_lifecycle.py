@@ -1,6 +1,6 @@
 """`specserve up` leaves nothing running when its start-up fails or is interrupted: Ray, Redis and
-every vLLM engine process it started are gone once it exits (session 14's leak: an interrupted
-start-up left `VLLM::EngineCore` processes re-parented to init, holding their models' memory).
+every vLLM engine process it started are gone once it exits (an interrupted
+start-up once left `VLLM::EngineCore` processes re-parented to init, holding their models' memory).
 
 Each test starts its own `specserve up` with a tag in its environment; Ray workers and the engine
 processes they start inherit it, so after the exit a scan of /proc finds anything it left."""
@@ -48,7 +48,7 @@ def _tagged(tag: str) -> list[str]:
 def _start(tmp: Path, wait_s: float, sigint_ignored: bool = False) -> tuple[subprocess.Popen, Path, str, dict]:
     """Start `specserve up`; with `sigint_ignored`, the way a shell script's background job
     (`specserve up &` without job control) starts it: SIGINT inherited ignored (`trap '' INT`).
-    CI runs the tests that way, and there an interrupt during start-up did nothing (session 17)."""
+    CI runs the tests that way, and there an interrupt during start-up once did nothing."""
     raw = yaml.safe_load(LOCAL_CONFIG.read_text())
     raw["api"]["http_port"] = _free_port()
     raw["api"]["grpc_port"] = _free_port()

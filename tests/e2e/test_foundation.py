@@ -13,6 +13,10 @@ import pytest
 
 from tests.e2e.helpers import chat, chat_all, dev_prompts
 
+# A prompt whose answer copies it: n-gram lookup drafts deep on it.
+COPY_PROMPT = ("Repeat the following paragraph word for word: The quick brown fox jumps over the lazy dog. "
+               "A journey of a thousand miles begins with a single step. All that glitters is not gold.")
+
 pytestmark = pytest.mark.engine
 
 N_PROMPTS = 40
@@ -121,8 +125,7 @@ def test_k_grows_within_a_request_while_its_drafts_are_accepted(cluster):
     """`speculative.k_grow`: the engine's scheduler raises a request's K after each fully accepted
     step (here from 1 by 2, up to the pool's k_grow_max) and drops it back after a rejection. On a
     copy the grown K drafts positions a fixed K = 1 never does, in fewer steps, same greedy text."""
-    text = ("Repeat the following paragraph word for word: The quick brown fox jumps over the lazy dog. "
-            "A journey of a thousand miles begins with a single step. All that glitters is not gold.")
+    text = COPY_PROMPT
     top = next(p for p in httpx.get(f"{cluster.http_url}/v1/models", timeout=30).json()["data"][0]["specserve"]["pools"]
                if p["method"] == "ngram")["max_k"]
 
@@ -147,8 +150,7 @@ def test_router_decided_requests_get_their_k_per_step_in_the_engine(cluster):
     """`auto` on the ngram pool: the request carries its class's α and the pool's max_k as a
     ceiling, and the engine's scheduler picks K at every step (cluster/step_k.py): on a copy it
     drafts past any small fixed K, in fewer steps than plain decoding, with the same greedy text."""
-    text = ("Repeat the following paragraph word for word: The quick brown fox jumps over the lazy dog. "
-            "A journey of a thousand miles begins with a single step. All that glitters is not gold.")
+    text = COPY_PROMPT
 
     async def run():
         async with httpx.AsyncClient() as client:
@@ -168,8 +170,7 @@ def test_router_decided_requests_get_their_k_per_step_in_the_engine(cluster):
 def test_above_the_pools_batch_bound_router_requests_decode_plainly(cluster):
     """`step_k_max_batch` (4 in the embedded config): 8 router-decided copies in one batch verify
     (almost) no drafts, where the same copy alone drafts deep, and the greedy text is the same."""
-    text = ("Repeat the following paragraph word for word: The quick brown fox jumps over the lazy dog. "
-            "A journey of a thousand miles begins with a single step. All that glitters is not gold.")
+    text = COPY_PROMPT
 
     async def run():
         async with httpx.AsyncClient() as client:

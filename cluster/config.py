@@ -170,6 +170,16 @@ class PoolConfig(_Strict):
             "drafting stops paying on the hardware (unset: no bound, the per-step choice alone decides)."
         ),
     )
+    stream_chunks_per_step: Optional[int] = Field(
+        4, ge=1, le=4096,
+        description=(
+            "An engine replica sends at most about this many chunks per engine step across its running "
+            "requests: with b running, a streamed request's tokens go out ceil(b / this) at a time (at "
+            "most 16); the first token and the last chunk go at once; a request that is not streamed "
+            "gets its first token, then one final chunk (cluster/coalesce.py). Bounds the serving path's "
+            "per-chunk work as the batch grows (null: every engine output is sent as it comes)."
+        ),
+    )
     auto: bool = Field(
         True,
         description=(

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from cluster.autoscale import LatencyWindow
+from cluster.coalesce import flush
 from cluster.config import PoolConfig
 from cluster.placement import platform_engine_kwargs
 from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP, SpecMode, SpecStats, accepted_runs
@@ -46,6 +47,7 @@ class EngineRequest:
     k_cap_by_batch: Optional[list[tuple[int, int]]] = None  # pool's per-step cap table from the tuner
     k_grow: Optional[tuple[int, int]] = None  # (step, top): K grows within the request (vllm_scheduler)
     k_step_alpha: Optional[float] = None  # class α: the engine picks K (<= k) at every step (cluster.step_k)
+    streamed: bool = True  # False: the caller wants the whole text; the replica sends first token + final chunk
 
 
 @dataclass
@@ -224,6 +226,8 @@ class EngineServer:
         params = self._sampling_params(req)
         completion_tokens = 0
         t_start, t_first = time.monotonic(), None
+        pending: Optional[EngineChunk] = None  # outputs gathered into the next chunk (cluster.coalesce)
+        sent_any = False
         async with aclosing(self._engine_outputs(prompt, params, req.request_id)) as outs:
             async for out in outs:
                 c = out.outputs[0]
@@ -233,6 +237,8 @@ class EngineServer:
                 chunk = EngineChunk(text=c.text, token_ids=list(c.token_ids), replica=self.replica)
                 if req.logprobs is not None and c.logprobs:
                     chunk.logprobs = [{tid: lp.logprob for tid, lp in pos.items()} for pos in c.logprobs]
+                if pending is not None:
+                    chunk = merge_chunks(pending, chunk)
                 if out.finished:
                     chunk.finish_reason = c.finish_reason or "stop"
                     chunk.prompt_tokens = len(out.prompt_token_ids or [])
@@ -244,7 +250,12 @@ class EngineServer:
                         first = t_first if t_first is not None else now
                         self._finished.add(now, first - t_start, now - first, completion_tokens,
                                            int(chunk.stats.get("accepted", 0)), req.k)
-                yield chunk
+                if flush(len(chunk.token_ids), sent_any, out.finished, self.engine.get_num_unfinished_requests(),
+                         self.pool.stream_chunks_per_step, req.streamed):
+                    pending, sent_any = None, True
+                    yield chunk
+                else:
+                    pending = chunk
 
     async def _engine_outputs(self, prompt: str, params: Any, request_id: str):
         """vLLM's output stream, with its input-validation errors turned into EngineInputError."""
@@ -332,6 +343,16 @@ class EngineServer:
                 engine.shutdown()
             except Exception:  # noqa: BLE001 - best effort at interpreter exit
                 pass
+
+
+def merge_chunks(first: EngineChunk, then: EngineChunk) -> EngineChunk:
+    """One chunk carrying `first`'s output followed by `then`'s (and `then`'s end-of-request fields)."""
+    logprobs = (first.logprobs or []) + (then.logprobs or []) if (first.logprobs or then.logprobs) else None
+    return EngineChunk(
+        text=first.text + then.text, token_ids=first.token_ids + then.token_ids, finish_reason=then.finish_reason,
+        prompt_tokens=then.prompt_tokens, completion_tokens=then.completion_tokens, stats=then.stats,
+        logprobs=logprobs, replica=then.replica,
+    )
 
 
 async def collect(stream: AsyncIterator[EngineChunk]) -> EngineChunk:

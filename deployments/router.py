@@ -137,8 +137,9 @@ class Router:
 
     # -- generation ------------------------------------------------------------------------------
 
-    def plan(self, req: GenerateRequest) -> tuple[str, Decision, EngineRequest]:
-        """Validate against the cluster and decide; raises ApiError before anything is sent."""
+    def plan(self, req: GenerateRequest, streamed: bool = True) -> tuple[str, Decision, EngineRequest]:
+        """Validate against the cluster and decide; raises ApiError before anything is sent.
+        `streamed`: the caller reads the text as it comes (else the engine sends it at the end)."""
         rid = req.ensure_request_id()
         model, d = self.decide(req)
         # Only the policy's choices are adapted; an explicit K from the caller is kept. A pool with
@@ -160,7 +161,7 @@ class Router:
             stop=list(req.stop), logprobs=req.logprobs, ignore_eos=req.ignore_eos,
             k_cap_by_batch=caps if d.k else None,
             k_grow=None if step_alpha is not None else growth_rule(pool, d, req.speculative.k_grow if req.speculative else None),
-            k_step_alpha=step_alpha,
+            k_step_alpha=step_alpha, streamed=streamed,
         )
         return model, d, ereq
 
@@ -186,11 +187,11 @@ class Router:
             self._caps[pool_name] = cached
         return cached[1]
 
-    async def _stream(self, req: GenerateRequest) -> AsyncIterator[tuple[EngineChunk, Completion]]:
+    async def _stream(self, req: GenerateRequest, streamed: bool = True) -> AsyncIterator[tuple[EngineChunk, Completion]]:
         """Yield (chunk, running completion) pairs; the last pair has the final stats."""
         t0 = time.perf_counter()
         self._ensure_load_poll()
-        model, d, ereq = self.plan(req)
+        model, d, ereq = self.plan(req, streamed)
         rid = ereq.request_id
         comp = Completion(request_id=rid, model=model)
         self.inflight[d.pool] += 1
@@ -320,7 +321,7 @@ class Router:
 
     async def complete(self, req: GenerateRequest) -> Completion:
         comp = None
-        async with aclosing(self._stream(req)) as stream:
+        async with aclosing(self._stream(req, streamed=False)) as stream:
             async for _, comp in stream:
                 pass
         assert comp is not None

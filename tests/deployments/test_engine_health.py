@@ -23,6 +23,9 @@ class FakeEngine:
     async def check_health(self):
         return None
 
+    def get_num_unfinished_requests(self):
+        return 1
+
     async def generate(self, prompt, params, request_id):
         self.generations += 1
         if self.stall:

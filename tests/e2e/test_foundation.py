@@ -212,3 +212,32 @@ def _descends_from(pid: int, ancestor: int) -> bool:
             return False
         seen += 1
     return False
+
+
+def test_under_load_streamed_tokens_come_in_chunks_that_follow_the_batch(cluster):
+    """`stream_chunks_per_step` (4 in the embedded config): 12 plain streams in one engine get
+    their tokens a few at a time (the first alone, at once), the same tokens a lone
+    non-streamed request gets; one stream alone gets one chunk per engine output."""
+    from cluster.client import AsyncSpecServeClient, collect_stream
+
+    kwargs = dict(prompt="Write a long story about a lighthouse keeper.", max_tokens=48, temperature=0.0,
+                  speculative={"mode": "none"}, extra={"ignore_eos": True})
+
+    async def run():
+        async with AsyncSpecServeClient(cluster.http_url) as client:
+            async def streamed():
+                t = time.perf_counter()
+                return collect_stream([c async for c in client.generate_stream(**kwargs)], t)
+            whole = await client.generate(**kwargs)
+            alone = await streamed()
+            crowd = await asyncio.gather(*(streamed() for _ in range(12)))
+            return whole, alone, crowd
+
+    whole, alone, crowd = asyncio.run(run())
+    assert len(whole.token_ids) == 48
+    assert alone.token_ids == whole.token_ids and alone.chunk_tokens == [1] * 48
+    assert all(r.token_ids == whole.token_ids for r in crowd), "streamed tokens differ from the unary request's"
+    assert all(r.chunk_tokens[0] == 1 for r in crowd), [r.chunk_tokens[:3] for r in crowd]
+    chunk_counts = [len(r.chunk_tokens) for r in crowd]
+    assert sum(chunk_counts) < 0.6 * 12 * 48, chunk_counts  # ~ceil(12 / 4) = 3 tokens a chunk
+    assert max(max(r.chunk_tokens) for r in crowd) <= 16

@@ -485,7 +485,8 @@ class Router:
     def models_json(self) -> dict[str, Any]:
         data = []
         for m in self.served:
-            pools = [{"name": n, "method": p.method.value, "max_k": p.max_k, "modes": [x.value for x in p.modes]}
+            pools = [{"name": n, "method": p.method.value, "max_k": p.max_k, "modes": [x.value for x in p.modes],
+                      "auto": p.auto}
                      for n, p in self.config.pools.items() if p.model == m]
             data.append({"id": m, "object": "model", "created": 0, "owned_by": "specserve",
                          "specserve": {"pools": pools}})

@@ -167,16 +167,19 @@ def warm_configs(configs: list[BenchConfig], pools: list[dict]) -> list[BenchCon
     prompts (prefix caching: a configuration must not get a prefill for free because another one ran
     the same prompt first on the same engine, so every engine sees every prompt once beforehand).
 
-    Each baseline is its own engine. A cluster pool (from /v1/models: name, method, modes) is reached
-    by `auto` and by every configuration whose mode it serves, and warmed through its own method (a
-    mode no other pool's method is). Without pools listed, one configuration per mode used. A pool
-    with several replicas is warmed on one of them only (whichever the router picks).
+    Each baseline is its own engine. A cluster pool (from /v1/models: name, method, modes, auto) is
+    reached by `auto` unless the pool opts out of it (`auto: false`), and by every configuration
+    whose mode it serves, and warmed through its own method (a mode no other pool's method is).
+    Without pools listed, one configuration per mode used. A pool with several replicas is warmed on
+    one of them only (whichever the router picks).
 
     >>> pools = [{"name": "ngram", "method": "ngram", "modes": ["ngram", "none"]},
-    ...          {"name": "draft", "method": "eagle", "modes": ["eagle", "none"]}]
+    ...          {"name": "draft", "method": "eagle", "modes": ["eagle", "none"], "auto": False}]
     >>> [c.name for c in warm_configs([BenchConfig(NONE, NONE, 0), baseline_config("stock-none")], pools)]
     ['warm:ngram', 'warm:draft', 'stock-none']
     >>> [c.name for c in warm_configs([BenchConfig("ngram:3", "ngram", 3)], pools)]
+    ['warm:ngram']
+    >>> [c.name for c in warm_configs([BenchConfig("auto", None, None)], pools)]
     ['warm:ngram']
     """
     cluster = [c for c in configs if not c.baseline]
@@ -184,7 +187,7 @@ def warm_configs(configs: list[BenchConfig], pools: list[dict]) -> list[BenchCon
     if pools:
         for pool in pools:
             modes = pool.get("modes") or [pool.get("method", NONE)]
-            if any(c.mode is None or c.mode in modes for c in cluster):
+            if any((c.mode is None and pool.get("auto", True)) or c.mode in modes for c in cluster):
                 method = pool.get("method") or modes[0]
                 out.append(BenchConfig(f"warm:{pool.get('name', method)}", method, 0 if method == NONE else None))
     else:

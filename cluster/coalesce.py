@@ -9,7 +9,8 @@ enough to slow the engine sharing the cores). So a replica sends at most about
 running, a request's tokens go out ceil(batch / chunks_per_step) at a time. The first token and
 the last chunk always go out at once, so TTFT and end-to-end latency are not delayed; a request
 the caller does not stream gets its first token (the router's liveness and TTFT signal) and then
-one final chunk.
+one final chunk. Nothing is held longer than MAX_HOLD_S, so the router's idle timeout
+(`router.stream_idle_timeout_s`) keeps meaning "the engine stopped", however long the request.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Optional
 # The most tokens one chunk of a streamed request waits for (a reader sees text at least this often).
 MAX_CHUNK_TOKENS = 16
 NOT_STREAMED = 1 << 30
+# The longest output is held back before it is sent anyway (s).
+MAX_HOLD_S = 1.0
 
 
 def chunk_tokens(batch: int, chunks_per_step: Optional[int], streamed: bool = True,
@@ -38,8 +41,9 @@ def chunk_tokens(batch: int, chunks_per_step: Optional[int], streamed: bool = Tr
 
 
 def flush(buffered_tokens: int, sent_any: bool, finished: bool, batch: int, chunks_per_step: Optional[int],
-          streamed: bool = True) -> bool:
-    """Send what is buffered now? The first token, the last output, or a full chunk.
+          streamed: bool = True, held_s: float = 0.0) -> bool:
+    """Send what is buffered now? The first token, the last output, a full chunk, or output held
+    `held_s` >= MAX_HOLD_S since the last send.
 
     >>> flush(1, False, False, 32, 4), flush(0, False, False, 32, 4), flush(7, True, False, 32, 4)
     (True, False, False)
@@ -47,5 +51,10 @@ def flush(buffered_tokens: int, sent_any: bool, finished: bool, batch: int, chun
     (True, True)
     >>> flush(1, True, True, 32, 4), flush(500, True, False, 1, 4, streamed=False)
     (True, False)
+    >>> flush(500, True, False, 1, 4, streamed=False, held_s=1.0), flush(0, True, False, 1, 4, held_s=5.0)
+    (True, False)
     """
-    return (not sent_any and buffered_tokens > 0) or finished or buffered_tokens >= chunk_tokens(batch, chunks_per_step, streamed)
+    if buffered_tokens <= 0:
+        return finished
+    return (not sent_any or finished or held_s >= MAX_HOLD_S
+            or buffered_tokens >= chunk_tokens(batch, chunks_per_step, streamed))

@@ -227,7 +227,7 @@ class EngineServer:
         completion_tokens = 0
         t_start, t_first = time.monotonic(), None
         pending: Optional[EngineChunk] = None  # outputs gathered into the next chunk (cluster.coalesce)
-        sent_any = False
+        sent_any, t_sent = False, t_start
         async with aclosing(self._engine_outputs(prompt, params, req.request_id)) as outs:
             async for out in outs:
                 c = out.outputs[0]
@@ -251,8 +251,8 @@ class EngineServer:
                         self._finished.add(now, first - t_start, now - first, completion_tokens,
                                            int(chunk.stats.get("accepted", 0)), req.k)
                 if flush(len(chunk.token_ids), sent_any, out.finished, self.engine.get_num_unfinished_requests(),
-                         self.pool.stream_chunks_per_step, req.streamed):
-                    pending, sent_any = None, True
+                         self.pool.stream_chunks_per_step, req.streamed, time.monotonic() - t_sent):
+                    pending, sent_any, t_sent = None, True, time.monotonic()
                     yield chunk
                 else:
                     pending = chunk

@@ -17,8 +17,8 @@ POOL = load_config(Path(__file__).resolve().parents[2] / "cluster" / "configs" /
 class StepEngine:
     """Emits `steps` outputs (a list of token lists, one per engine step) while `batch` requests run."""
 
-    def __init__(self, steps: list[list[int]], batch: int):
-        self.steps, self.batch = steps, batch
+    def __init__(self, steps: list[list[int]], batch: int, step_s: float = 0.0):
+        self.steps, self.batch, self.step_s = steps, batch, step_s
 
     def get_num_unfinished_requests(self):
         return self.batch
@@ -30,12 +30,12 @@ class StepEngine:
             out = SimpleNamespace(token_ids=ids, text="".join(f"<{t}>" for t in ids), logprobs=lp,
                                   finish_reason="length" if last else None, spec_decode_metrics=None)
             yield SimpleNamespace(outputs=[out], finished=last, prompt_token_ids=[1, 2, 3])
-            await asyncio.sleep(0)
+            await asyncio.sleep(self.step_s)
 
 
-def chunks(steps, batch, chunks_per_step=4, streamed=True, logprobs=None):
+def chunks(steps, batch, chunks_per_step=4, streamed=True, logprobs=None, step_s=0.0):
     s = EngineServer("ngram", POOL.model_copy(update={"stream_chunks_per_step": chunks_per_step}), "/m", None, "m",
-                     engine=StepEngine(steps, batch))
+                     engine=StepEngine(steps, batch, step_s))
     req = EngineRequest(request_id="r", mode="none", k=0, prompt="p", streamed=streamed, logprobs=logprobs)
 
     async def run():
@@ -82,3 +82,14 @@ def test_collect_of_a_gathered_stream_is_the_whole_output():
         return await collect(s.generate(EngineRequest(request_id="r", mode="none", k=0, prompt="p")))
     whole = asyncio.run(run())
     assert whole.token_ids == list(range(10, 20)) and whole.finish_reason == "length"
+
+
+def test_nothing_is_held_past_the_hold_time(monkeypatch):
+    """A long unary request still sends something every MAX_HOLD_S, so the router's idle timeout
+    does not fire on a request that is making progress."""
+    import cluster.coalesce
+
+    monkeypatch.setattr(cluster.coalesce, "MAX_HOLD_S", 0.05)
+    out = chunks([[t] for t in range(40)], batch=1, streamed=False, step_s=0.01)
+    assert 4 <= len(out) <= 20, [len(c.token_ids) for c in out]
+    assert [t for c in out for t in c.token_ids] == list(range(40))

@@ -176,8 +176,9 @@ class PoolConfig(_Strict):
             "An engine replica sends at most about this many chunks per engine step across its running "
             "requests: with b running, a streamed request's tokens go out ceil(b / this) at a time (at "
             "most 16); the first token and the last chunk go at once; a request that is not streamed "
-            "gets its first token, then one final chunk (cluster/coalesce.py). Bounds the serving path's "
-            "per-chunk work as the batch grows (null: every engine output is sent as it comes)."
+            "gets its first token, then one final chunk; nothing waits more than 1 s (cluster/coalesce.py). "
+            "Bounds the serving path's per-chunk work as the batch grows (null: every engine output is "
+            "sent as it comes)."
         ),
     )
     auto: bool = Field(

@@ -226,8 +226,8 @@ class EngineServer:
         params = self._sampling_params(req)
         completion_tokens = 0
         t_start, t_first = time.monotonic(), None
-        pending: Optional[EngineChunk] = None  # outputs gathered into the next chunk (cluster.coalesce)
-        sent_any, t_sent = False, t_start
+        pending: list[EngineChunk] = []  # outputs gathered into the next chunk (cluster.coalesce)
+        pending_tokens, sent_any, t_sent = 0, False, t_start
         async with aclosing(self._engine_outputs(prompt, params, req.request_id)) as outs:
             async for out in outs:
                 c = out.outputs[0]
@@ -237,8 +237,6 @@ class EngineServer:
                 chunk = EngineChunk(text=c.text, token_ids=list(c.token_ids), replica=self.replica)
                 if req.logprobs is not None and c.logprobs:
                     chunk.logprobs = [{tid: lp.logprob for tid, lp in pos.items()} for pos in c.logprobs]
-                if pending is not None:
-                    chunk = merge_chunks(pending, chunk)
                 if out.finished:
                     chunk.finish_reason = c.finish_reason or "stop"
                     chunk.prompt_tokens = len(out.prompt_token_ids or [])
@@ -250,12 +248,12 @@ class EngineServer:
                         first = t_first if t_first is not None else now
                         self._finished.add(now, first - t_start, now - first, completion_tokens,
                                            int(chunk.stats.get("accepted", 0)), req.k)
-                if flush(len(chunk.token_ids), sent_any, out.finished, self.engine.get_num_unfinished_requests(),
+                pending.append(chunk)
+                pending_tokens += len(chunk.token_ids)
+                if flush(pending_tokens, sent_any, out.finished, self.engine.get_num_unfinished_requests(),
                          self.pool.stream_chunks_per_step, req.streamed, time.monotonic() - t_sent):
-                    pending, sent_any, t_sent = None, True, time.monotonic()
-                    yield chunk
-                else:
-                    pending = chunk
+                    yield pending[0] if len(pending) == 1 else join_chunks(pending)
+                    pending, pending_tokens, sent_any, t_sent = [], 0, True, time.monotonic()
 
     async def _engine_outputs(self, prompt: str, params: Any, request_id: str):
         """vLLM's output stream, with its input-validation errors turned into EngineInputError."""
@@ -345,33 +343,20 @@ class EngineServer:
                 pass
 
 
-def merge_chunks(first: EngineChunk, then: EngineChunk) -> EngineChunk:
-    """One chunk carrying `first`'s output followed by `then`'s (and `then`'s end-of-request fields)."""
-    logprobs = (first.logprobs or []) + (then.logprobs or []) if (first.logprobs or then.logprobs) else None
-    return EngineChunk(
-        text=first.text + then.text, token_ids=first.token_ids + then.token_ids, finish_reason=then.finish_reason,
-        prompt_tokens=then.prompt_tokens, completion_tokens=then.completion_tokens, stats=then.stats,
-        logprobs=logprobs, replica=then.replica,
-    )
-
-
 async def collect(stream: AsyncIterator[EngineChunk]) -> EngineChunk:
-    """Drain a stream into one chunk (text and tokens joined; last chunk's metadata)."""
-    texts: list[str] = []
-    ids: list[int] = []
-    logprobs: list[dict[int, float]] = []
-    last: Optional[EngineChunk] = None
-    async for chunk in stream:
-        texts.append(chunk.text)
-        ids.extend(chunk.token_ids)
-        if chunk.logprobs:
-            logprobs.extend(chunk.logprobs)
-        last = chunk
-    if last is None:
+    """Drain a stream into one chunk (`join_chunks`)."""
+    chunks = [chunk async for chunk in stream]
+    if not chunks:
         raise RuntimeError("engine stream ended without output")
+    return join_chunks(chunks)
+
+
+def join_chunks(chunks: list[EngineChunk]) -> EngineChunk:
+    """Consecutive chunks as one: text and tokens joined, the last chunk's end-of-request fields."""
+    logprobs = [lp for c in chunks for lp in (c.logprobs or [])]
+    last = chunks[-1]
     return EngineChunk(
-        text="".join(texts), token_ids=ids, finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
-        completion_tokens=last.completion_tokens, stats=last.stats, logprobs=logprobs or None, replica=last.replica,
+        text="".join(c.text for c in chunks), token_ids=[t for c in chunks for t in c.token_ids],
+        finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
+        stats=last.stats, logprobs=logprobs or None, replica=last.replica,
     )
-
-

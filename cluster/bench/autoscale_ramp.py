@@ -3,7 +3,7 @@ and does the router's K follow? Writes a timeline CSV, the autoscaler's records 
 as test fixtures), a summary JSON and a plot (replicas, request rate, K, p99 TPOT over time).
 
     python -m cluster.bench.autoscale_ramp --config CLUSTER.yaml --url http://127.0.0.1:38000 \\
-        --phases 0.1:90,1.5:240,0.1:300 --out docs/benchmarks/autoscale-DATE
+        --phases 0.1:90,1.5:240,0.1:300 --out docs/benchmarks/autoscale-ramp
 
 Phases are `rate:seconds`, sent one after another with the benchmark's open-loop Poisson runner
 (`cluster.bench.runner.Runner.run_poisson`, router decides: config `auto`); the pool's record is

@@ -273,10 +273,11 @@ def _recorded_view(path: Path) -> TuningView:
     return TuningView("smollm2-135m", cells=cells, chosen_k=chosen)
 
 
-def test_the_recorded_r14_state_no_longer_locks_math_at_k3():
-    # The tuning state after r14 and its load run (Redis, bucket 1): math's incumbent K = 3 was chosen
-    # while its data was thin; 4,098 steps later K = 4 scores 3.4% better, under the fixed 5% margin.
-    view = _recorded_view(Path(__file__).parent / "data" / "tuning-r14load-bucket1.json")
+def test_a_recorded_state_with_a_thin_incumbent_does_not_lock_math_at_k3():
+    # A recorded tuning state (Redis, bucket 1, after a one-stream run and a load sweep): math's
+    # incumbent K = 3 was chosen while its data was thin; with its 4,098 steps K = 4 scores 3.4%
+    # better, under a fixed 5% margin.
+    view = _recorded_view(Path(__file__).parent / "data" / "tuning-thin-incumbent-bucket1.json")
     pool = ngram(max_k=6)
     cand = score_pool(pool, "math", view)
     best = best_k(cand.scores)
@@ -289,7 +290,7 @@ def test_the_recorded_r14_state_no_longer_locks_math_at_k3():
 def test_a_decision_says_when_hysteresis_kept_its_k():
     # Reported per response (`specserve.decision`): whether the incumbent K was kept over a higher
     # score, and every K's score, so a run can tell hysteresis from the scores themselves.
-    view = _recorded_view(Path(__file__).parent / "data" / "tuning-r14load-bucket1.json")
+    view = _recorded_view(Path(__file__).parent / "data" / "tuning-thin-incumbent-bucket1.json")
     held = choose_auto([ngram(max_k=6)], ROUTER, "math", tuning=view, params=PolicyParams(margin_min=P.margin))
     assert held.k == 3 and held.detail["hysteresis"] is True
     ks = held.detail["k_scores"]
@@ -300,11 +301,11 @@ def test_a_decision_says_when_hysteresis_kept_its_k():
 
 
 def test_plain_steps_measured_under_other_load_do_not_erase_the_cost_of_k():
-    # The tuning state at the end of r15 (bucket 1): its plain steps were recorded while other work
-    # loaded the machine, so every K read cheaper than a plain step. Clamping each K at 0 made
-    # K = 1..6 all free and K = 6 (5% dearer per step than K = 4 in every run here) the best for
-    # RAG, summarization and translation; the cheapest K as the baseline keeps their differences.
-    view = _recorded_view(Path(__file__).parent / "data" / "tuning-r15-bucket1.json")
+    # A recorded tuning state (bucket 1) whose plain steps were recorded while other work loaded
+    # the machine, so every K reads cheaper than a plain step. Clamping each K at 0 would make
+    # K = 1..6 all free and K = 6 (5% dearer per step than K = 4 wherever measured here) the best
+    # for RAG, summarization and translation; the cheapest K as the baseline keeps their differences.
+    view = _recorded_view(Path(__file__).parent / "data" / "tuning-plain-steps-under-load-bucket1.json")
     over = {k: o for k, (o, _) in measured_overheads(view, "ngram", "1").items()}
     assert set(over) == {1, 2, 3, 4, 5, 6} and min(over.values()) == 0.0
     assert over[6] > over[5] + 0.03 and over[1] > over[2] + 0.03  # the shape every run here measured
@@ -784,9 +785,10 @@ def test_step_time_never_falls_with_load():
 
 
 def test_splitting_a_shared_machine_is_never_cheaper_than_one_batch():
-    """r6 at 32 streams: with measured buckets (8-15 at 3.6 plain steps, 16+ at 6.6) a request joining
-    the idle EAGLE engine while the n-gram engine held 15 read t(1) + t(15) = 4.6 against t(16) = 6.6,
-    and 37 of 256 plain-decoding requests went to the second engine on the same two cores."""
+    """Measured buckets at 32 streams (8-15 at 3.6 plain steps, 16+ at 6.6): summed bucket step
+    times would price a request joining the idle EAGLE engine while the n-gram engine holds 15 at
+    t(1) + t(15) = 4.6 against t(16) = 6.6, and send plain-decoding requests to a second engine on
+    the same two cores."""
     from cluster.policy import joining_step_rel
     from cluster.routing import with_load
 
@@ -881,7 +883,7 @@ def test_bursty_drafts_choose_the_k_that_is_fastest_not_the_one_geometry_prefers
     view = _runs_view(_decode(text, 6)[0], "summarization", cost, 6)
     d = choose_auto([ngram()], ROUTER, "summarization", view)
     assert d.k == 6 and d.detail["expected_tokens_per_step"] == pytest.approx(_decode(text, 6)[2] / _decode(text, 6)[1], rel=0.01)
-    # Without the runs (the cell as session 6 kept it) the geometric model picks K = 5: 6% slower.
+    # Without the runs (a cell of counts per position only) the geometric model picks K = 5: 6% slower.
     geometric = TuningView("m", cells={key: replace(c, runs=()) for key, c in view.cells.items()})
     assert choose_auto([ngram()], ROUTER, "summarization", geometric).k == 5
     assert true[5] < 0.95 * true[6]
@@ -956,9 +958,10 @@ def test_step_cost_regression_clamps_negative_terms():
 
 
 def test_a_fixed_cost_at_load_makes_a_large_k_pay_where_the_mean_alone_did_not():
-    """r8 at 4 streams: n-gram K = 4 steps cost 1.294 plain steps, K ~ 2 ones 1.247 (f 0.21, c 0.022);
-    auto chose K = 1-2 (cost read as 0.087 per token) and made 0.934 of `ngram:4`."""
-    # Tokens per step 1.40 at K = 2 and 1.54 at K = 4, as summarization measured in r8.
+    """Measured at 4 streams: n-gram K = 4 steps cost 1.294 plain steps, K ~ 2 ones 1.247 (f 0.21,
+    c 0.022); the overhead at the mean K alone reads 0.087 per token and chooses K = 1-2, which made
+    0.934 of `ngram:4`."""
+    # Tokens per step 1.40 at K = 2 and 1.54 at K = 4, as measured for summarization.
     text = _copy_text(random.Random(3), 3000, draftless=0.7, runs=((0, .5), (1, .15), (2, .1), (4, .15), (12, .1)))
     cell = cell_from([_decode(text, 6)[0]])
     steps = CellStats(steps=cell.steps, exposed_at=cell.exposed_at, accepted_at=cell.accepted_at,
@@ -966,8 +969,8 @@ def test_a_fixed_cost_at_load_makes_a_large_k_pay_where_the_mean_alone_did_not()
     costs = _cost_cells([(2, 40, 1.254), (4, 40, 1.298)])
     view = TuningView("m", cells={**costs.cells, ("ngram", "summarization", "1"): steps})
     assert choose_auto([ngram(running=4)], ROUTER, "summarization", view).k >= 4
-    # The same overhead at the mean K alone (the old reading, without the regression or the step
-    # time per K) chose K <= 2.
+    # The same overhead at the mean K alone (without the regression or the step time per K)
+    # chooses K <= 2.
     mean_only = TuningView("m", cells={key: replace(c, kk_steps=0, k_decode_s=0.0, steps_at_k=(), decode_s_at_k=())
                                        for key, c in view.cells.items()})
     assert choose_auto([ngram(running=4)], ROUTER, "summarization", mean_only).k <= 2
@@ -975,12 +978,13 @@ def test_a_fixed_cost_at_load_makes_a_large_k_pay_where_the_mean_alone_did_not()
 
 # -- step time per K: a cost that is not linear in K ----------------------------------------------
 
-# ms per step of `ngram:K` over `none` at one stream in r12 (step_split on its samples: 80.6, 75.1,
-# 74.9, 74.5, 75.8, 78.4 against 76.2; r11 had the same shape).
-R12_STEP_REL = {1: 1.058, 2: 0.986, 3: 0.983, 4: 0.978, 5: 0.995, 6: 1.029}
+# Step time of `ngram:K` over `none` at one stream on the CPU box, K = 1..6 (`cluster.bench.step_split`
+# on a benchmark's samples: 80.6, 75.1, 74.9, 74.5, 75.8, 78.4 ms against 76.2; a repeat measured
+# the same shape).
+MEASURED_STEP_REL = {1: 1.058, 2: 0.986, 3: 0.983, 4: 0.978, 5: 0.995, 6: 1.029}
 
 
-def _per_k_view(step_rel=R12_STEP_REL, requests=4, plain_step_s=0.08, segments=3000):
+def _per_k_view(step_rel=MEASURED_STEP_REL, requests=4, plain_step_s=0.08, segments=3000):
     """Chat-like n-gram text (short copies, few runs past 4), decoded `requests` times at each K
     of `step_rel` with steps of plain * step_rel[K], through the real increments and validation."""
     text = _copy_text(random.Random(3), segments, draftless=0.6,
@@ -997,10 +1001,11 @@ def _without_per_k(view):
 
 
 def test_step_time_per_k_chooses_the_k_a_linear_cost_cannot_see():
-    """Measured: a K = 6 step cost ~5% more than a K = 4 one while the linear fit read 0.004 per draft
-    token, so auto chose K = 6 for half its requests and lost ~1.5% per step to `ngram:4`."""
+    """Measured: a K = 6 step costs ~5% more than a K = 4 one while the linear fit reads 0.004 per
+    draft token, so a linear cost alone chose K = 6 for half the requests and lost ~1.5% per step
+    to `ngram:4`."""
     text, view = _per_k_view()
-    truth = {k: (lambda st: st[2] / st[1])(_decode(text, k)) / R12_STEP_REL.get(k, 1.0) for k in range(7)}
+    truth = {k: (lambda st: st[2] / st[1])(_decode(text, k)) / MEASURED_STEP_REL.get(k, 1.0) for k in range(7)}
     assert max(truth, key=truth.get) == 4 and truth[6] < 0.98 * truth[4]
     d = choose_auto([ngram()], ROUTER, "chat", view)
     assert d.k == 4 and d.detail["step_overhead"] < 0.01
@@ -1029,7 +1034,7 @@ def test_step_time_per_k_needs_enough_steps_and_is_blended_with_the_linear_prior
     assert step_overheads(some, "ngram", "1", 6)[6] == pytest.approx(w * 0.3 + (1 - w) * (f + 6 * c))
     _, many = _per_k_view(requests=400)  # the measurement dominates the prior
     # The measured K = 2..5 steps read cheaper than its plain ones: the cheapest (K = 4) is the baseline.
-    expected = (0.0,) + tuple(R12_STEP_REL[k] / R12_STEP_REL[4] - 1.0 for k in range(1, 7))
+    expected = (0.0,) + tuple(MEASURED_STEP_REL[k] / MEASURED_STEP_REL[4] - 1.0 for k in range(1, 7))
     assert step_overheads(many, "ngram", "1", 6) == pytest.approx(expected, abs=2e-3)
     assert step_overheads(many, "ngram", "1", 3) == pytest.approx(expected[:4], abs=2e-3)  # cut at max_k
     assert step_overheads(many, "ngram", "4-7", 6) == step_overheads(TuningView("m"), "ngram", "4-7", 6)  # per bucket

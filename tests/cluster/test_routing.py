@@ -107,8 +107,8 @@ def test_explain_choices_rows_follow_load_and_never_explore():
 
 
 def test_explain_choices_apply_the_per_step_cap_as_admission_does():
-    # r23-load: the policy chose K = 3 for RAG at batch 32 while the pool's cap table said 0, and
-    # the requests ran plain; explain showed only the policy's K. `k_run` is the K that runs.
+    # The policy may choose K = 3 for RAG at batch 32 where the pool's cap table says 0, and the
+    # request runs plain: explain shows the policy's K and `k_run`, the K that runs.
     from cluster.routing import explain_choices
 
     ngram = PoolView(name="ngram", model="m", method=SpecMode.NGRAM, max_k=6,

@@ -51,7 +51,7 @@ def k_cap_table(
                 for c in weights}
     # At the bucket the classes were admitted at, each already runs at its own best K, so no cap
     # below the largest of them can do better: only tie. (Scoring caps there too, best_k's
-    # smaller-wins tie-break capped every K = 6 choice to 5 at batch 1 in r13.)
+    # smaller-wins tie-break would cap a K = 6 choice to 5 at batch 1.)
     table = [(first, max(admitted.values()))]
     for start, bucket in loaded:
         overheads = step_overheads(view, mode, bucket, max_k, params, draft_cost)

@@ -20,9 +20,9 @@ def hysteresis_margin(trials: float, params: PolicyParams = DEFAULT_PARAMS) -> f
     the noise of the scores does (~ 1 / sqrt(trials)) towards `margin_min`, which stays above the
     tie tolerance so that K still does not flap between near-equal scores.
 
-    A fixed 5% locked in whatever K a class got while its data was thin: with every K from 3 to 6
-    within 5% at one stream here, the state after r14 and its load run kept math at K = 3 after
-    4,098 steps said K = 4 scored 3.4% better (and summarization at 6, 3.3% below 4).
+    A fixed 5% locks in whatever K a class got while its data was thin: with every K from 3 to 6
+    within 5% at one stream here, a recorded state (tests/cluster/data/tuning-thin-incumbent-
+    bucket1.json) keeps math at K = 3 where 4,098 steps say K = 4 scores 3.4% better.
 
     >>> [round(hysteresis_margin(n), 3) for n in (0, 100, 1000, 5000)]
     [0.05, 0.04, 0.026, 0.02]
@@ -142,8 +142,8 @@ def explorable_ks(cand: Candidate, floor: float, params: PolicyParams = DEFAULT_
     exploiting choice's score less `explore_regret`. A K that even an optimistic α prices well below
     the best is a near-certain loss that teaches little: K = 0 (plain decoding, the same price at any
     α) drafts nothing, so it says nothing about α, and plain step times come from the traffic that
-    chooses them. r20 lost its translation target to one such draw: a request decoded plainly (3.43 s
-    against 1.40 s at K = 3) where n-gram drafts were accepted at α = 0.66.
+    chooses them. One such draw decodes a translation request plainly in 3.43 s where n-gram drafts
+    are accepted at α = 0.66 and K = 3 takes 1.40 s.
 
     >>> from cluster.routing import PoolView
     >>> pool = PoolView(name="p", model="m", method=SpecMode.NGRAM, max_k=4)

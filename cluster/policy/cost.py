@@ -149,8 +149,8 @@ def measured_overheads(view: Optional[TuningView], mode: str, bucket: str,
     # A drafting step does more work than a plain one: when some K reads cheaper than plain steps, the
     # plain steps are what is off (measured at other times, under other load), so the cheapest K
     # becomes the baseline and the differences between the Ks survive, instead of every K below
-    # the baseline reading 0 (plain steps measured while the machine was loaded once put K = 1..6
-    # all at 0, and K = 6's extra 5% went unseen).
+    # the baseline reading 0 (tests/cluster/data/tuning-plain-steps-under-load-bucket1.json: plain
+    # steps recorded under other load would put K = 1..6 all at 0 and hide K = 6's extra 5%).
     floor = min([1.0] + [ratio for ratio, _ in ratios.values()])
     return {k: (min(ratio / floor - 1.0, 2.0 + 0.5 * k), n) for k, (ratio, n) in ratios.items()}  # floor <= ratio
 
@@ -163,10 +163,10 @@ def step_overheads(view: Optional[TuningView], mode: str, bucket: str, max_k: in
     linear f + c·K of `step_cost` (fitted over every K, or the prior) blended, at each K where
     requests ran, with that K's measured overhead (`measured_overheads`) by its steps against
     `prior_cost_steps`. The linear model cannot see a step cost that is not linear in K, and on
-    this CPU it is not: in r11 and r12 n-gram steps at K = 6 took ~5% more than at K = 4 and those at
-    K = 1 ~6% more than plain ones, where the fit over auto's traffic read 0.004 per draft token
-    (auto chose K = 6 for half its requests and lost ~1.5% per step to `ngram:4`). `line` is the
-    caller's `step_cost` of the same arguments, when it has one already.
+    this CPU it is not: n-gram steps at K = 6 take ~5% more than at K = 4 and those at K = 1 ~6%
+    more than plain ones (`MEASURED_STEP_REL` in tests/cluster/test_policy.py), where a line fitted
+    over auto's traffic reads 0.004 per draft token and chooses K = 6, ~1.5% per step dearer than
+    K = 4. `line` is the caller's `step_cost` of the same arguments, when it has one already.
 
     >>> def c(k, n, s):
     ...     return CellStats(steps=n, decode_s=n * s, steps_at_k=(0,) * k + (n,), decode_s_at_k=(0.0,) * k + (n * s,))
@@ -233,13 +233,13 @@ def joining_step_rel(pool, view: Optional[TuningView], params: PolicyParams = DE
     separate engines time-sharing the same cores: while another engine of the group has requests,
     each step of this one waits for that engine's steps too, so the request meets the sum of both
     engines' step times, t(own batch + 1) + t(the others' batch), not the step time of one batch of
-    the group's size. (Measured: at 4 streams, `auto` sending a quarter of its requests to an idle
-    second pool on the same two cores read 0.71 of plain decoding in one engine.) Joining the engine
-    that is already busy stays one batch, t(group + 1). Splitting is never cheaper than one batch of
+    the group's size. (Measured: at 4 streams, sending a quarter of the requests to an idle second
+    pool on the same two cores reads 0.71 of plain decoding in one engine.) Joining the engine that
+    is already busy stays one batch, t(group + 1). Splitting is never cheaper than one batch of
     everything (the same cores do both engines' work, and a batch verifies more cheaply than two), so
-    the split is at least t(group + 1): with bucketed step times, t(1) + t(15) read 4.6 plain steps
-    against t(16) = 6.6 in r6 (batch 15 in the 8-15 bucket, 16 in 16+), and 37 of 256 requests at 32
-    streams went to the idle EAGLE engine, 0.91 of plain decoding in one engine."""
+    the split is at least t(group + 1): bucketed step times alone price t(1) + t(15) at 4.6 plain
+    steps against t(16) = 6.6 (batch 15 in the 8-15 bucket, 16 in 16+; measured at 32 streams), which
+    sends requests to the idle engine at 0.91 of plain decoding in one engine."""
     if pool.hardware_group is None or pool.group_load is None:
         return step_time_rel(view, load_bucket(pool.load_batch + 1.0), params)
     others = max(float(pool.group_load) - float(pool.running), 0.0)

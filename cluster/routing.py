@@ -8,59 +8,15 @@ or, with `default_mode: auto`, the adaptive policy (`cluster.policy.choose_auto`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Optional
 
 from cluster.api import ApiError, ErrorCode
 from cluster.config import ClusterConfig, PoolConfig, RouterConfig
+from cluster.decision import Decision, PoolView
+from cluster.policy import TuningView, choose_auto, k_cap_table
 from cluster.speculation import SpecMode
 from cluster.vllm_scheduler import k_cap_for_batch
-
-
-@dataclass(frozen=True)
-class PoolView:
-    """What the router knows of one pool when it decides."""
-
-    name: str
-    model: str
-    method: SpecMode
-    max_k: int
-    replicas: int = 1
-    running: float = 0.0  # requests in flight over all replicas (live, sampled)
-    waiting: float = 0.0  # requests queued in the engines
-    max_ongoing_requests: int = 64  # per replica
-    hardware_group: Optional[str] = None  # pools of one group share hardware (PoolConfig.hardware_group)
-    group_load: Optional[float] = None  # requests in flight over every pool of the group (live)
-    prior_alpha: tuple[tuple[str, float], ...] = ()  # (workload class or "*", α): measured cold-start priors
-    prior_draft_cost: Optional[tuple[float, float]] = None  # (per step, per token): PoolConfig.prior_draft_cost
-    auto: bool = True  # the auto policy may choose this pool (PoolConfig.auto)
-
-    @property
-    def modes(self) -> tuple[SpecMode, ...]:
-        return (SpecMode.NONE,) if self.method == SpecMode.NONE else (self.method, SpecMode.NONE)
-
-    @property
-    def batch_per_replica(self) -> float:
-        return (self.running + self.waiting) / max(self.replicas, 1)
-
-    @property
-    def load_batch(self) -> float:
-        """The batch whose step time a request joining this pool pays for: its replica's batch, or,
-        when the pool shares hardware with others, everything in flight on that hardware."""
-        if self.hardware_group is not None and self.group_load is not None:
-            return max(self.group_load, self.batch_per_replica)
-        return self.batch_per_replica
-
-
-@dataclass(frozen=True)
-class Decision:
-    pool: str
-    mode: SpecMode
-    k: int
-    decided_by: str  # "request" | "default" | "policy"
-    workload_class: str = "chat"
-    # Diagnostics of the choice (expected tokens/s per candidate etc.), for logs and stats.
-    detail: dict = field(default_factory=dict, compare=False)
 
 
 # What a response reports of its decision (`specserve.decision`, HTTP): the load bucket it was
@@ -196,7 +152,7 @@ def route(
     workload_class: str,
     mode_override: Optional[str] = None,
     k_override: Optional[int] = None,
-    tuning=None,
+    tuning: Optional[TuningView] = None,
 ) -> Decision:
     """Choose pool, mode and K for one request among `pools` (all of the request's model)."""
     if not pools:
@@ -238,8 +194,6 @@ def route(
         k = 0 if mode == SpecMode.NONE else min(router.default_k.get(mode.value, 1), pool.max_k)
         return Decision(pool=pool.name, mode=mode if k else SpecMode.NONE, k=k, decided_by="default",
                         workload_class=workload_class)
-
-    from cluster.policy import choose_auto
 
     return choose_auto(_auto_pools(pools), router, workload_class, tuning)
 
@@ -297,19 +251,16 @@ def growth_rule(pool: PoolConfig, decision: Decision, k_grow: Optional[int] = No
 
 
 def explain_choices(
-    views: list[PoolView], router: RouterConfig, tuning, classes, batches,
+    views: list[PoolView], router: RouterConfig, tuning: Optional[TuningView], classes, batches,
 ) -> list[dict]:
     """What `auto` would choose, exploiting only (no exploration draw), for each workload class at
-    each batch size, from the tuning view `tuning` (a `cluster.policy.TuningView`, or None for the
-    cold-start priors): one row per (batch, class) with the chosen pool, mode and K and the numbers
-    behind it. `batches` are the batch a request would join (1 = an idle machine); every pool is
+    each batch size, from the tuning view `tuning` (None for the cold-start priors): one row per
+    (batch, class) with the chosen pool, mode and K and the numbers behind it. `batches` are the batch a request would join (1 = an idle machine); every pool is
     given that load (pools of one hardware group share it). Pure: `specserve tuning --explain`
     prints it for a config, so an operator can read the router's choice before sending traffic.
     `k` is the policy's choice; `k_run` the K the request is admitted at, once the pool's per-step
     cap table (`policy.k_cap_table`, which the engine also applies per step) has cut it at that
     batch, as the router does (`cap_at_admission`); `k_cap` is that table's cap."""
-    from cluster.policy import choose_auto, k_cap_table
-
     if tuning is not None:
         tuning = replace(tuning, rng=None)
     caps = {v.name: k_cap_table(v.method.value, v.max_k, tuning, priors=v.prior_alpha, draft_cost=v.prior_draft_cost)

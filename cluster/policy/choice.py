@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from cluster.config import RouterConfig
+from cluster.decision import Decision, PoolView
 from cluster.policy.cells import MAX_K, TuningView, load_bucket
 from cluster.policy.cost import best_k, joining_step_rel, score, score_at, step_cost, step_overheads
 from cluster.policy.model import class_model, class_runs, expected_tokens
@@ -51,7 +52,7 @@ def exploration_rate(trials: float, params: PolicyParams = DEFAULT_PARAMS) -> fl
 class Candidate:
     """One pool scored for one request."""
 
-    pool: object  # cluster.routing.PoolView
+    pool: PoolView
     bucket: str
     alpha: float  # posterior mean (0 for plain pools)
     alpha_beta: tuple[float, float]
@@ -107,7 +108,7 @@ def _pool_scores(view, mode, workload_class, bucket, max_k, step_rel, priors, pa
     return result
 
 
-def score_pool(pool, workload_class: str, view: Optional[TuningView], params: PolicyParams = DEFAULT_PARAMS) -> Candidate:
+def score_pool(pool: PoolView, workload_class: str, view: Optional[TuningView], params: PolicyParams = DEFAULT_PARAMS) -> Candidate:
     """Score K = 0..max_k of `pool` for one request of `workload_class` at the pool's live load."""
     bucket = load_bucket(pool.load_batch + 1.0)
     mode = pool.method.value
@@ -145,7 +146,6 @@ def explorable_ks(cand: Candidate, floor: float, params: PolicyParams = DEFAULT_
     chooses them. One such draw decodes a translation request plainly in 3.43 s where n-gram drafts
     are accepted at α = 0.66 and K = 3 takes 1.40 s.
 
-    >>> from cluster.routing import PoolView
     >>> pool = PoolView(name="p", model="m", method=SpecMode.NGRAM, max_k=4)
     >>> cand = Candidate(pool, "1", 0.6, (60.0, 40.0), 1.0, 0.0, 1.0, {0: 1.0, 1: 1.6, 2: 1.96, 3: 2.18, 4: 2.31}, 4,
     ...                  overheads=(0.0,) * 5)
@@ -205,13 +205,13 @@ def _pick(options: list[tuple[Candidate, int, float]], tie_tol: float) -> tuple[
 
 
 def choose_auto(
-    pools,
+    pools: Sequence[PoolView],
     router: RouterConfig,
     workload_class: str,
     tuning: Optional[TuningView] = None,
     rng: Optional[random.Random] = None,
     params: PolicyParams = DEFAULT_PARAMS,
-):
+) -> Decision:
     """Pool, mode and K that maximise the request's expected goodput (see module doc).
 
     Exploits the posterior means with hysteresis; with probability ε (when an RNG is given, or
@@ -219,8 +219,6 @@ def choose_auto(
     best sampled (pool, K) wins, so a pool whose posterior is confidently worse is almost never
     tried while an uncertain one is. K is always within 0..pool.max_k; K = 0 means mode none.
     `router` is accepted for the routing contract (its default_k is not used: priors replace it)."""
-    from cluster.routing import Decision
-
     del router
     rng = rng if rng is not None else (tuning.rng if tuning is not None else None)
     cands = [score_pool(p, workload_class, tuning, params) for p in pools]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
+from cluster.decision import PoolView
 from cluster.policy.cells import BUCKET_BATCH, BUCKET_NAMES, CellStats, TuningView, load_bucket
 from cluster.policy.model import expected_tokens_per_step
 from cluster.policy.params import DEFAULT_PARAMS, PRIOR_DRAFT_COST, PRIOR_DRAFT_STEP_COST, PolicyParams
@@ -226,7 +227,7 @@ def best_k(scores: Mapping[int, float], tie_tol: float = DEFAULT_PARAMS.tie_tol)
     return min(k for k, s in scores.items() if s >= top * (1.0 - tie_tol))
 
 
-def joining_step_rel(pool, view: Optional[TuningView], params: PolicyParams = DEFAULT_PARAMS) -> float:
+def joining_step_rel(pool: PoolView, view: Optional[TuningView], params: PolicyParams = DEFAULT_PARAMS) -> float:
     """Plain step time, relative to batch 1, that a request joining `pool` meets.
 
     One engine: its step time at its batch with the request. Pools of one hardware group are

@@ -1,0 +1,55 @@
+"""The words routing and the policy share: what the router knows of a pool when it decides
+(`PoolView`) and what it decides for one request (`Decision`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from cluster.speculation import SpecMode
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """What the router knows of one pool when it decides."""
+
+    name: str
+    model: str
+    method: SpecMode
+    max_k: int
+    replicas: int = 1
+    running: float = 0.0  # requests in flight over all replicas (live, sampled)
+    waiting: float = 0.0  # requests queued in the engines
+    max_ongoing_requests: int = 64  # per replica
+    hardware_group: Optional[str] = None  # pools of one group share hardware (PoolConfig.hardware_group)
+    group_load: Optional[float] = None  # requests in flight over every pool of the group (live)
+    prior_alpha: tuple[tuple[str, float], ...] = ()  # (workload class or "*", α): measured cold-start priors
+    prior_draft_cost: Optional[tuple[float, float]] = None  # (per step, per token): PoolConfig.prior_draft_cost
+    auto: bool = True  # the auto policy may choose this pool (PoolConfig.auto)
+
+    @property
+    def modes(self) -> tuple[SpecMode, ...]:
+        return (SpecMode.NONE,) if self.method == SpecMode.NONE else (self.method, SpecMode.NONE)
+
+    @property
+    def batch_per_replica(self) -> float:
+        return (self.running + self.waiting) / max(self.replicas, 1)
+
+    @property
+    def load_batch(self) -> float:
+        """The batch whose step time a request joining this pool pays for: its replica's batch, or,
+        when the pool shares hardware with others, everything in flight on that hardware."""
+        if self.hardware_group is not None and self.group_load is not None:
+            return max(self.group_load, self.batch_per_replica)
+        return self.batch_per_replica
+
+
+@dataclass(frozen=True)
+class Decision:
+    pool: str
+    mode: SpecMode
+    k: int
+    decided_by: str  # "request" | "default" | "policy"
+    workload_class: str = "chat"
+    # Diagnostics of the choice (expected tokens/s per candidate etc.), for logs and stats.
+    detail: dict = field(default_factory=dict, compare=False)

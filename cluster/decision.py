@@ -32,6 +32,12 @@ class PoolView:
         return (SpecMode.NONE,) if self.method == SpecMode.NONE else (self.method, SpecMode.NONE)
 
     @property
+    def proposer_rank(self) -> int:
+        """Cost of the pool's proposer to a K = 0 request sharing its batches (drafts are trimmed, but
+        a model-based proposer still runs for the batch): plain 0 < lookup-based 1 < model-based 2."""
+        return {SpecMode.NONE: 0, SpecMode.NGRAM: 1, SpecMode.SUFFIX: 1}.get(self.method, 2)
+
+    @property
     def batch_per_replica(self) -> float:
         return (self.running + self.waiting) / max(self.replicas, 1)
 

@@ -133,16 +133,11 @@ def _least_loaded(pools: list[PoolView]) -> PoolView:
     return min(pools, key=lambda p: (p.batch_per_replica, p.name))
 
 
-# Cost of a pool's proposer to a K = 0 request sharing its batches (drafts are trimmed, but a
-# model-based proposer still runs for the batch): plain < lookup-based < model-based.
-_PROPOSER_RANK = {SpecMode.NONE: 0, SpecMode.NGRAM: 1, SpecMode.SUFFIX: 1}
-
-
 def _pools_for_mode(pools: list[PoolView], mode: SpecMode) -> list[PoolView]:
     """Pools that serve `mode`; for plain decoding, those with the cheapest proposer."""
     if mode == SpecMode.NONE:
-        best = min(_PROPOSER_RANK.get(p.method, 2) for p in pools)
-        return [p for p in pools if _PROPOSER_RANK.get(p.method, 2) == best]
+        best = min(p.proposer_rank for p in pools)
+        return [p for p in pools if p.proposer_rank == best]
     return [p for p in pools if p.method == mode]
 
 

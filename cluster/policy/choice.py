@@ -183,11 +183,6 @@ def _sampled(cand: Candidate, rng: random.Random, params: PolicyParams,
     return scores[k], k
 
 
-def _proposer_rank(c: Candidate) -> int:
-    """Cost of the pool's proposer to a K = 0 request in its batches: none < lookup < model."""
-    return {SpecMode.NONE: 0, SpecMode.NGRAM: 1, SpecMode.SUFFIX: 1}.get(c.pool.method, 2)
-
-
 def _pick(options: list[tuple[Candidate, int, float]], tie_tol: float) -> tuple[Candidate, int, float]:
     """The best (candidate, K, score). Scores within tie_tol of the best are equal; among them plain
     decoding goes to the pool with the cheapest proposer; then pools with their own hardware take
@@ -199,7 +194,7 @@ def _pick(options: list[tuple[Candidate, int, float]], tie_tol: float) -> tuple[
     def order(o: tuple[Candidate, int, float]) -> tuple:
         c, k, s = o
         load = -c.pool.batch_per_replica if c.pool.hardware_group is not None else c.pool.batch_per_replica
-        return (_proposer_rank(c) if k == 0 else 0, load, -s, c.pool.name)
+        return (c.pool.proposer_rank if k == 0 else 0, load, -s, c.pool.name)
 
     return min((o for o in options if o[2] >= top * (1.0 - tie_tol)), key=order)
 

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping, Optional, Sequence
 
 from cluster.config import AutoscalingConfig
+from cluster.percentile import percentile
 
 # Plain step time grows about this much per extra request in the batch on the CPU box
 # (cluster.policy.PolicyParams.step_time_per_batch); used when only one batch size was measured.
@@ -323,7 +324,4 @@ class LatencyWindow:
 
 def _p99(xs: list[float]) -> float:
     """Nearest-rank p99 (-1.0 for no sample)."""
-    if not xs:
-        return -1.0
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)], 6)
+    return round(percentile(xs, 99, "nearest_rank"), 6) if xs else -1.0

@@ -63,6 +63,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
+from cluster.percentile import percentile
 from cluster.speculation import WORKLOAD_CLASSES
 
 SHORT_CHARS = 800  # a prompt up to this long is all instruction
@@ -468,14 +469,6 @@ def classify(text: Optional[str] = None, messages: Optional[list[dict]] = None, 
 
 
 # --- evaluation on Spec-Bench ------------------------------------------------------------------
-def _percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]) of an ascending list."""
-    if not sorted_values:
-        return 0.0
-    rank = max(1, -(-len(sorted_values) * q // 100))
-    return sorted_values[int(min(rank, len(sorted_values))) - 1]
-
-
 def half_of(question_id: int) -> str:
     """Split for tuning vs held-out. The dev set holds only odd question_ids, so the halves are
     alternate ids: "A" (question_id // 2 even; rules were tuned on it) and "B" (held out)."""
@@ -524,8 +517,7 @@ def evaluate(path: str, repeats: int = 5) -> dict:
         "confusion": {cat: dict(confusion[cat].most_common()) for cat in sorted(confusion)},
         "latency_us": {
             "calls": len(latencies_us),
-            "p50": round(_percentile(latencies_us, 50), 1),
-            "p99": round(_percentile(latencies_us, 99), 1),
+            **{f"p{q}": round(percentile(latencies_us, q, "nearest_rank"), 1) if latencies_us else 0.0 for q in (50, 99)},
             "max": round(latencies_us[-1], 1) if latencies_us else 0.0,
         },
     }

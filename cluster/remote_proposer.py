@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from cluster.draft_wire import WireError, recv_frame, send_frame
+from cluster.percentile import percentile
 from cluster.vllm_scheduler import ADDITIONAL_CONFIG_KEY, cap_table_from, effective_k, requested_k
 
 log = logging.getLogger("specserve.remote_proposer")
@@ -225,12 +226,8 @@ class RemoteDraftSession:
 def _quantiles(xs) -> dict[str, float]:
     if not xs:
         return {"n": 0}
-    s = sorted(xs)
-
-    def q(p: float) -> float:
-        return s[min(len(s) - 1, int(p * len(s)))]
-
-    return {"n": len(s), "p50": q(0.50), "p90": q(0.90), "p99": q(0.99), "max": s[-1], "mean": sum(s) / len(s)}
+    q = {f"p{p}": percentile(xs, p, "nearest_rank") for p in (50, 90, 99)}
+    return {"n": len(xs), **q, "max": max(xs), "mean": sum(xs) / len(xs)}
 
 
 # -- vLLM glue --------------------------------------------------------------------------------------

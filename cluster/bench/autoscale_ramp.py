@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import csv
 import json
-import math
 import time
 from pathlib import Path
 from typing import Optional
@@ -25,6 +24,7 @@ from cluster.bench.metrics import Sample
 from cluster.bench.plan import parse_config
 from cluster.bench.runner import Job, Runner
 from cluster.bench.workload import load_prompts, select
+from cluster.percentile import percentile
 
 
 def parse_phases(spec: str) -> list[tuple[float, float]]:
@@ -34,13 +34,6 @@ def parse_phases(spec: str) -> list[tuple[float, float]]:
         rate, _, dur = tok.partition(":")
         out.append((float(rate), float(dur)))
     return out
-
-
-def _p99(xs: list[float]) -> Optional[float]:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)]
 
 
 def tpot_s(s: Sample) -> Optional[float]:
@@ -68,7 +61,7 @@ def timeline(samples: list[Sample], records: list[dict], t0_unix: float, bin_s: 
             "t_s": hi, "running": last.get("running"), "target": last.get("target"),
             "rate_rps": round(len(sent) / bin_s, 3), "mean_k": round(sum(ks) / len(ks), 3) if ks else None,
             "k_counts": json.dumps({str(k): ks.count(k) for k in sorted(set(ks))}),
-            "p99_tpot_s": round(_p99(done), 4) if done else None, "errors": sum(1 for s in sent if not s.ok),
+            "p99_tpot_s": round(percentile(done, 99, "nearest_rank"), 4) if done else None, "errors": sum(1 for s in sent if not s.ok),
             "load": last.get("load"), "carry": last.get("carry"),
             "action": ",".join(sorted({r["action"] for r in recs})) if recs else None,
         })
@@ -121,7 +114,7 @@ def summarize(samples: list[Sample], records: list[dict], phases: list[tuple[flo
             "mean_k": round(sum(ks) / len(ks), 3) if ks else None,
             "k_counts": {str(k): ks.count(k) for k in sorted(set(ks))},
             "p50_tpot_s": round(sorted(tp)[len(tp) // 2], 4) if tp else None,
-            "p99_tpot_s": round(_p99(tp), 4) if tp else None,
+            "p99_tpot_s": round(percentile(tp, 99, "nearest_rank"), 4) if tp else None,
             "replicas_running": sorted({r["running"] for r in recs}), "replicas_target": sorted({r["target"] for r in recs}),
         })
         edge += dur

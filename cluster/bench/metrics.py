@@ -29,6 +29,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
+from cluster.percentile import percentile
+
 
 @dataclass
 class Sample:
@@ -87,16 +89,6 @@ class Slo:
 
 
 # -- distributions -------------------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float:
-    """q-th percentile (0..100), linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def distribution(values: Iterable[Optional[float]]) -> dict[str, float]:

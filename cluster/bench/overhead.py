@@ -21,15 +21,11 @@ from pathlib import Path
 from cluster.api import from_openai
 from cluster.classifier import classify
 from cluster.config import load_config
+from cluster.percentile import percentile
 from cluster.tuning import TuningStore
 from deployments.router import Router
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "specbench-dev.jsonl"
-
-
-def _percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 def measure(router: Router, bodies: list[dict], repeats: int) -> list[float]:
@@ -61,7 +57,7 @@ def main(argv=None) -> int:
         measure(router, bodies[:20], 1)  # warm-up
         ts = measure(router, bodies, args.repeats)
         results[label] = {"n": len(ts), "healthy": store.healthy, "p50_us": 1e6 * statistics.median(ts),
-                          "p99_us": 1e6 * _percentile(ts, 0.99), "max_us": 1e6 * max(ts)}
+                          "p99_us": 1e6 * percentile(ts, 99, "nearest"), "max_us": 1e6 * max(ts)}
         store.close(flush=False)
     print("| tuning state | requests | Redis healthy | p50 (us) | p99 (us) | max (us) |")
     print("|---|---|---|---|---|---|")

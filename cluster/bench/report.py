@@ -19,9 +19,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from cluster.bench.metrics import (Sample, Slo, check_lossless, group_by, paired_ratios, percentile, pooled_rate,
-                                   ratio_spread, repeat_spread, round_rates, speedup, summarize)
+from cluster.bench.metrics import (Sample, Slo, check_lossless, group_by, paired_ratios, pooled_rate, ratio_spread,
+                                   repeat_spread, round_rates, speedup, summarize)
 from cluster.bench.plan import AUTO, NONE
+from cluster.percentile import percentile
 
 
 def git_short_rev(cwd: Optional[Path] = None) -> str:

@@ -27,9 +27,9 @@ import math
 import random
 from typing import Any, Callable, Optional
 
-from cluster.bench.metrics import Sample, Slo, group_by, meets_slo, paired_ratios, percentile, pooled_rate, \
-    round_rates, tpot_s
+from cluster.bench.metrics import Sample, Slo, group_by, meets_slo, paired_ratios, pooled_rate, round_rates, tpot_s
 from cluster.bench.plan import AUTO
+from cluster.percentile import percentile
 
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0

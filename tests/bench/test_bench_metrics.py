@@ -3,11 +3,9 @@
 import math
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from cluster.bench.metrics import (Sample, Slo, best_k_per_mode, check_lossless, distribution, first_divergence,
-                                   itl_s, logit_gap, meets_slo, paired_ratios, percentile, pooled_rate, ratio_spread,
+                                   itl_s, logit_gap, meets_slo, paired_ratios, pooled_rate, ratio_spread,
                                    repeat_spread, round_rates, speedup, summarize, tpot_s)
 
 
@@ -17,22 +15,6 @@ def mk(config="c", ttft=0.5, lat=2.5, tokens=5, start=0.0, repeat=0, ok=True, sp
                   concurrency=1, repeat=repeat, ok=ok, start_s=start, end_s=start + lat, ttft_s=ttft, latency_s=lat,
                   chunk_times_s=chunks or [], token_ids=token_ids if token_ids is not None else list(range(tokens)),
                   spec=spec or {}, logprobs=logprobs)
-
-
-def test_percentile_linear_interpolation():
-    xs = [4.0, 1.0, 3.0, 2.0]  # sorted 1 2 3 4; p50 at rank 1.5 -> 2.5; p90 at 2.7 -> 3.7; p99 at 2.97 -> 3.97
-    assert percentile(xs, 50) == pytest.approx(2.5)
-    assert percentile(xs, 90) == pytest.approx(3.7)
-    assert percentile(xs, 99) == pytest.approx(3.97)
-    assert percentile(xs, 0) == 1.0 and percentile(xs, 100) == 4.0
-    assert percentile([7.0], 99) == 7.0
-    assert math.isnan(percentile([], 50))
-
-
-@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=50), st.floats(0, 100))
-def test_percentile_matches_numpy(xs, q):
-    np = pytest.importorskip("numpy")
-    assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-9, abs=1e-6)
 
 
 def test_distribution_skips_missing():

@@ -281,10 +281,10 @@ class LoadMeter:
     request met over its life, which is what its step times were paid at.
 
     A request's statistics belong to the load it ran under, not the load it was admitted at: the
-    first request of a burst is admitted to an idle engine and then runs in a batch of four (before,
-    such requests put loaded step times into the batch-1 cells: plain decoding read 152 ms per step
-    there after a load sweep against 73 ms at one stream, and the measured draft costs came out
-    too low). Pure bookkeeping with explicit times; O(1) per event.
+    first request of a burst is admitted to an idle engine and then runs in a batch of four (filed
+    under its admission, such requests put loaded step times into the batch-1 cells: plain decoding
+    reads 152 ms per step there after a load sweep against 73 ms at one stream, and the measured
+    draft costs come out too low). Pure bookkeeping with explicit times; O(1) per event.
 
     >>> m = LoadMeter()
     >>> m.change("hw", +1, now=0.0); mark = m.mark("hw", now=0.0)

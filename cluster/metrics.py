@@ -2,8 +2,9 @@
 agent on `ray.metrics_export_port`, scraped like the rest of Ray Serve's metrics).
 
 Per workload class and mode: requests, drafted and accepted tokens, acceptance length, chosen K,
-and decisions made on defaults because the tuning state was unavailable. No prompt or completion
-text ever reaches a label.
+and decisions made on defaults because the tuning state was unavailable; failed Redis calls of the
+tuning state, and failures of the router's background work and of GetTuning. No prompt or completion
+text, and no caller-chosen name, ever reaches a label.
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ class RouterMetrics:
             "Tuning keys in Redis ignored as malformed (wrong type, too many fields, too big, bad values).",
             tag_keys=("reason",))
 
+        self.tuning_redis_errors = Counter(
+            "specserve_tuning_redis_errors",
+            "Failed Redis calls of the tuning state, by operation (flush, refresh, table) and error "
+            "(OutOfMemoryError, ReadOnlyError, NoPermissionError, ConnectionError, TimeoutError, ...).",
+            tag_keys=("op", "kind"))
+        self.failures = Counter(
+            "specserve_router_failures",
+            "Failures off the request path, by what failed (load_poll, get_tuning, autoscale_record) and error type.",
+            tag_keys=("what", "kind"))
+
     def observe(self, decision: Any, stats: Optional[dict], status: str = "ok") -> None:
         tags = {"workload_class": decision.workload_class, "mode": decision.mode.value, "pool": decision.pool,
                 "decided_by": decision.decided_by}
@@ -51,3 +62,9 @@ class RouterMetrics:
 
     def tuning_key_ignored(self, reason: str) -> None:
         self.tuning_ignored.inc(1, {"reason": reason})
+
+    def tuning_redis_error(self, op: str, kind: str) -> None:
+        self.tuning_redis_errors.inc(1, {"op": op, "kind": kind})
+
+    def failure(self, what: str, kind: str) -> None:
+        self.failures.inc(1, {"what": what, "kind": kind})

@@ -13,6 +13,11 @@ per-position accepted / exposed steps, `r{L}` the accepted runs of L tokens, `s{
 steps and decode seconds of the requests that ran at K), `chosen_k` (the incumbent K) and `updated` (unix s).
 A cell that is the wrong type, too big, has unknown fields, non-numeric or out-of-range values, or
 is stale is ignored with a (rate-limited) warning and a counter, and deleted so writers can rebuild it.
+Any Redis error (no connection, timeout, or an error reply such as OOM, READONLY or NOPERM) is survived
+the same way: counted (`on_redis_error`), warned about, the batch kept, and retried at the next flush.
+
+Only the store's models are tracked (those it was built with; a store built without any registers
+up to MAX_MODELS names as they come), so a caller-chosen name never grows a cache.
 """
 
 from __future__ import annotations
@@ -56,6 +61,14 @@ MAX_SCAN_ROUNDS = 20  # SCAN calls per refresh (COUNT 1000 each)
 MAX_COUNT = 10**13  # no legitimate counter gets near this
 MAX_DECODE_S = 1e10
 MODES = tuple(m.value for m in SpecMode)
+MAX_MODELS = 16  # models a store built without a list registers as they come; later names are refused
+REDIS_ERRORS = (redis.RedisError, OSError)  # every failure of a Redis call, error replies included
+
+
+def redis_error_kind(e: BaseException) -> str:
+    """A bounded label for a Redis failure: redis-py's exception class (OutOfMemoryError, ReadOnlyError,
+    NoPermissionError, ResponseError, ConnectionError, TimeoutError, ...) or the OSError's."""
+    return type(e).__name__
 
 
 class MalformedCell(ValueError):
@@ -217,6 +230,7 @@ class TuningStore:
         rng_seed: Optional[int] = None,
         repair_malformed: bool = True,
         on_malformed: Optional[Callable[[str], None]] = None,
+        on_redis_error: Optional[Callable[[str, str], None]] = None,
         clock: Callable[[], float] = time.time,
         start: bool = True,
     ):
@@ -225,6 +239,7 @@ class TuningStore:
         self.flush_interval_s, self.refresh_interval_s = flush_interval_s, refresh_interval_s
         self.repair_malformed = repair_malformed
         self.on_malformed = on_malformed  # called with the reason's kind (e.g. a Prometheus counter)
+        self.on_redis_error = on_redis_error  # called with (operation, redis_error_kind) of every failed call
         self._clock = clock
         # Off the request path, so a little more than the per-call budget; never any retry.
         timeout = io_timeout_s if io_timeout_s is not None else max(config.socket_timeout_s, 0.25)
@@ -242,6 +257,7 @@ class TuningStore:
         self._pending_chosen: dict[str, int] = {}  # key -> incumbent K not yet in Redis
         self._to_delete: set[str] = set()
         self._models: set[str] = set(models)
+        self._open = not models  # no list given: register names as they come, up to MAX_MODELS
         self._views: dict[str, TuningView] = {}
         self._key_cache: dict[str, dict[str, CellKey]] = {}
         self._overlay: dict[str, dict[CellKey, int]] = {}  # this replica's own incumbents
@@ -277,6 +293,10 @@ class TuningStore:
     ) -> bool:
         """Queue one finished request's stats (non-blocking). False if rejected as invalid.
         `pool` is for the log only: cells are shared by the pools of a mode."""
+        if not self._track(model):
+            self.counters["records_invalid"] += 1
+            self._warn(("record-model",), "record for untracked model %.64r ignored", model)
+            return False
         if mode not in MODES or workload_class not in WORKLOAD_CLASSES or load_bucket not in BUCKET_NAMES:
             self.counters["records_invalid"] += 1
             self._warn(("record", mode, workload_class), "record from pool %s: unknown mode/class/bucket %r/%r/%r",
@@ -299,7 +319,7 @@ class TuningStore:
     def note_decision(self, model: str, decision) -> None:
         """Remember the policy's K as the incumbent of its cell (skips explored decisions)."""
         d = decision.detail or {}
-        if d.get("explore") or decision.decided_by != "policy" or "load_bucket" not in d:
+        if d.get("explore") or decision.decided_by != "policy" or "load_bucket" not in d or not self._track(model):
             return
         cell = (d.get("pool_mode", decision.mode.value), decision.workload_class, d["load_bucket"])
         overlay = self._overlay.setdefault(model, {})
@@ -310,12 +330,27 @@ class TuningStore:
             self._pending_chosen[cell_key(self.prefix, model, *cell)] = int(decision.k)
 
     def snapshot(self, model: str) -> TuningView:
-        """The latest validated view of `model` (empty until the first refresh; never blocks)."""
+        """The latest validated view of `model` (empty until the first refresh, and for a model the
+        store does not track; never blocks)."""
         view = self._views.get(model)
         if view is None:
-            self._models.add(model)
             view = TuningView(model=model, rng=self._rng)
+            if not self._track(model):
+                return view
         return replace(view, chosen_k=ChainMap(self._overlay.setdefault(model, {}), view.chosen_k))
+
+    def tracks(self, model: str) -> bool:
+        """Whether `model` is one of the store's models (never registers it)."""
+        return model in self._models
+
+    def _track(self, model: str) -> bool:
+        """Whether `model` is tracked, registering it if the store is open and has room."""
+        if model in self._models:
+            return True
+        if not self._open or len(self._models) >= MAX_MODELS:
+            return False
+        self._models.add(model)
+        return True
 
     @property
     def healthy(self) -> bool:
@@ -346,13 +381,18 @@ class TuningStore:
         next_flush = next_refresh = time.monotonic()
         while not self._stop.is_set():
             now = time.monotonic()
-            if now >= next_flush:
-                self.flush_now()
-                next_flush = time.monotonic() + self.flush_interval_s
-            if now >= next_refresh:
-                for model in list(self._models):
-                    self.refresh_now(model)
-                next_refresh = time.monotonic() + self.refresh_interval_s
+            try:
+                if now >= next_flush:
+                    next_flush = time.monotonic() + self.flush_interval_s
+                    self.flush_now()
+                if now >= next_refresh:
+                    next_refresh = time.monotonic() + self.refresh_interval_s
+                    for model in list(self._models):
+                        self.refresh_now(model)
+            except Exception as e:  # noqa: BLE001 - a bug must not end the writer for good; logged, counted
+                self.counters["thread_errors"] += 1
+                self._warn(("thread", type(e).__name__), "tuning thread: unexpected %s: %s (it carries on)",
+                           type(e).__name__, e)
             self._stop.wait(max(min(next_flush, next_refresh) - time.monotonic(), 0.01))
 
     def flush_now(self) -> bool:
@@ -390,10 +430,8 @@ class TuningStore:
             order += [(key, "updated"), (key, "expire")]
         try:
             results = pipe.execute(raise_on_error=False)
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
-            self.counters["flush_errors"] += 1
-            self._last_fail_mono = time.monotonic()
-            self._warn(("flush",), "tuning flush failed (%d keys kept for later): %s", len(pending), e)
+        except REDIS_ERRORS as e:  # no connection, or an error reply that aborted the whole MULTI (OOM, ...)
+            self._redis_failed("flush", e, "tuning flush failed (%d keys kept for later)", len(pending))
             return False
         bad = {key for (key, _), r in zip(order, results) if isinstance(r, Exception)}
         for key in bad:  # a poisoned key refused HINCRBY: drop its batch, delete it next flush
@@ -412,12 +450,13 @@ class TuningStore:
         return True
 
     def _cell_keys(self, model: str) -> dict[str, CellKey]:
-        """Every possible key of `model` -> its cell (computed once per model)."""
+        """Every possible key of `model` -> its cell (computed once per tracked model)."""
         keys = self._key_cache.get(model)
         if keys is None:
             keys = {cell_key(self.prefix, model, m, c, b): (m, c, b)
                     for m in MODES for c in WORKLOAD_CLASSES for b in BUCKET_NAMES}
-            self._key_cache[model] = keys
+            if model in self._models:
+                self._key_cache[model] = keys
         return keys
 
     def fetch_view(self, model: str) -> TuningView:
@@ -442,6 +481,7 @@ class TuningStore:
         replies = pipe.execute(raise_on_error=False)
         present = []
         for key, n, size in zip(candidates, replies[0::2], replies[1::2]):
+            _raise_unless_wrongtype(n)
             if isinstance(n, Exception):
                 self._malformed(key, f"not a hash ({n})", "type")
             elif n > MAX_FIELDS:
@@ -458,6 +498,7 @@ class TuningStore:
         cells: dict[CellKey, CellStats] = {}
         chosen: dict[CellKey, int] = {}
         for (ck, key), fields in zip(present, pipe.execute(raise_on_error=False)):
+            _raise_unless_wrongtype(fields)
             try:
                 if isinstance(fields, Exception):
                     raise MalformedCell(str(fields))
@@ -476,11 +517,11 @@ class TuningStore:
         try:
             with self._io_lock:
                 view = self.fetch_view(model)
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
-            self.counters["refresh_errors"] += 1
-            self._last_fail_mono = time.monotonic()
-            self._warn(("refresh",), "tuning refresh failed, serving the cached view: %s", e)
+        except REDIS_ERRORS as e:
+            self._redis_failed("refresh", e, "tuning refresh of %s failed, serving the cached view", model)
             return False
+        if not self._track(model):
+            return True
         overlay = self._overlay.setdefault(model, {})
         for ck, k in view.chosen_k.items():  # persisted: Redis is authoritative again
             if overlay.get(ck) == k:
@@ -489,14 +530,18 @@ class TuningStore:
         self._last_ok_mono = time.monotonic()
         return True
 
-    def table(self, model: str) -> list[dict]:
-        """Rows of the current table (for `specserve tuning` / GetTuning): read from Redis now,
-        or from the cached view when Redis does not answer (then `healthy` is False)."""
-        try:
-            view = self.fetch_view(model)
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
-            self._warn(("table",), "tuning table from the cached view: %s", e)
-            view = self._views.get(model) or TuningView(model=model)
+    def table(self, model: str, fresh: bool = True) -> list[dict]:
+        """Rows of the table of a tracked model (else none). `fresh`: read from Redis now (for
+        `specserve tuning`), falling back to the cached view when Redis fails; otherwise the cached
+        view the background thread keeps (GetTuning: no I/O on the caller's thread)."""
+        if not self._track(model):
+            return []
+        view = self._views.get(model) or TuningView(model=model)
+        if fresh:
+            try:
+                view = self.fetch_view(model)
+            except REDIS_ERRORS as e:
+                self._redis_failed("table", e, "tuning table of %s from the cached view", model)
         return tuning_rows(view)
 
     # -- helpers ----------------------------------------------------------------------------
@@ -515,8 +560,31 @@ class TuningStore:
             with self._lock:
                 self._to_delete.add(key)
 
-    def _warn(self, what: tuple, msg: str, *args) -> None:
+    def _redis_failed(self, op: str, e: BaseException, msg: str, *args) -> None:
+        """A failed Redis call of `op` (flush / refresh / table): counted, hooked, warned about."""
+        kind = redis_error_kind(e)
+        self.counters[f"{op}_errors"] += 1
+        self.counters[f"redis_error:{kind}"] += 1
+        self._last_fail_mono = time.monotonic()
+        self._warn((op, kind), msg + " (%s: %s)", *args, kind, str(e)[:200])
+        if self.on_redis_error is not None:
+            try:
+                self.on_redis_error(op, kind)
+            except Exception:  # noqa: BLE001 - a metrics hook must not break the writer
+                log.debug("on_redis_error hook failed", exc_info=True)
+
+    def _warn(self, what: tuple, msg: str, *args) -> bool:
+        """Log a warning at most once a minute per `what`; True when it was logged."""
         now = time.monotonic()
         if now - self._last_warn.get(what, -1e9) >= 60.0:
             self._last_warn[what] = now
             log.warning(msg, *args)
+            return True
+        return False
+
+
+def _raise_unless_wrongtype(reply) -> None:
+    """A per-command error reply of a read pipeline: WRONGTYPE says the key is malformed; any other
+    (NOPERM, a replica still loading, ...) is Redis failing, not the key, and fails the whole read."""
+    if isinstance(reply, Exception) and not str(reply).startswith("WRONGTYPE"):
+        raise reply

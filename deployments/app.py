@@ -68,7 +68,8 @@ class RouterReplica(Router):
         from cluster.metrics import RouterMetrics
 
         metrics = RouterMetrics()
-        super().__init__(config, engines, tuning=_make_tuning(config, on_malformed=metrics.tuning_key_ignored),
+        super().__init__(config, engines, tuning=_make_tuning(config, on_malformed=metrics.tuning_key_ignored,
+                                                              on_redis_error=metrics.tuning_redis_error),
                          classifier=_make_classifier(), auth=auth, metrics=metrics, autoscale=_make_autoscale(config))
 
 

@@ -44,6 +44,7 @@ from cluster.percentile import percentile
 # Plain step time grows about this much per extra request in the batch on the CPU box
 # (cluster.policy.PolicyParams.step_time_per_batch); used when only one batch size was measured.
 PRIOR_STEP_GROWTH_PER_BATCH = 0.08
+MAX_REPLICAS = 10_000  # no pool runs more; a record saying so is not believed
 
 
 @dataclass(frozen=True)
@@ -252,17 +253,19 @@ def effective_replicas(record: Optional[Mapping[str, Any]], configured: int, now
     2
     >>> effective_replicas({"target": 2, "running": 1, "time_unix_s": 10.0}, 1, 101.0)
     1
+    >>> effective_replicas({"target": float("inf"), "time_unix_s": 100.0}, 1, 101.0)  # not a count
+    1
     """
-    if not record:
+    if not record or not isinstance(record, Mapping):
         return configured
     try:
         age = now_unix_s - float(record["time_unix_s"])
-        target = int(record["target"])
-    except (KeyError, TypeError, ValueError):
+        target = float(record["target"])
+    except (KeyError, TypeError, ValueError, OverflowError):
         return configured
-    if age > max_age_s or age < -max_age_s:
+    if not (math.isfinite(age) and abs(age) <= max_age_s and 0 <= target <= MAX_REPLICAS and target == int(target)):
         return configured
-    return max(target, 1)
+    return max(int(target), 1)
 
 
 def with_capacity(views: list, records: Mapping[str, Mapping[str, Any]], now_unix_s: float,

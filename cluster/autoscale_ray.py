@@ -10,26 +10,84 @@ retries; with Redis down the policy decides on the config's carry and publishes 
 
 Redis key (one per pool, JSON, TTL `RECORD_TTL_S`): `{key_prefix}:autoscale:{pool}` holding
 `Verdict.record(...)` plus `last_change` (the last up/down and its reason) and `snapshot` (the
-input of the decision, so runs can be replayed as test fixtures).
+input of the decision, so runs can be replayed as test fixtures). A reader takes a record only when
+`parse_record` accepts it (size, JSON, nesting, finite numbers, the fields the router reads); any
+other is ignored with a (rate-limited) warning and a counter, as tuning cells are.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
+import math
 import threading
 import time
 import weakref
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 log = logging.getLogger("specserve.autoscale")
 
 RECORD_TTL_S = 60
+MAX_RECORD_BYTES = 64 * 1024  # a published record is ~1-4 KiB
+MAX_RECORD_DEPTH = 6  # record -> snapshot -> replicas -> one replica's metrics: 4 levels
 CUSTOM_METRICS = ("unfinished", "finished", "tokens_per_s", "accepted_per_s", "tpot_p99_s", "ttft_p99_s", "mean_k")
 
 
 def record_key(prefix: str, pool: str) -> str:
     return f"{prefix}:autoscale:{pool}"
+
+
+class MalformedRecord(ValueError):
+    """An autoscale record that failed validation; the message says why."""
+
+
+def _finite(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"number {text[:20]!r} is not finite")
+    return v
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a number")
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of parsed JSON, stopping past `limit`."""
+    if limit < 0 or not isinstance(value, (dict, list)):
+        return 0
+    items = value.values() if isinstance(value, dict) else value
+    return 1 + max((_depth(v, limit - 1) for v in items), default=0)
+
+
+def parse_record(raw: Any) -> dict:
+    """Validate one autoscale record as read from Redis (bytes or str) into a dict; raise
+    MalformedRecord. Accepted: at most MAX_RECORD_BYTES of JSON, an object nested at most
+    MAX_RECORD_DEPTH deep, every number finite (no NaN, Infinity or 1e999), and the fields the
+    router reads well-typed: `target` a whole number within 0..MAX_REPLICAS, `time_unix_s` a number."""
+    from cluster.autoscale import MAX_REPLICAS
+
+    if not isinstance(raw, (bytes, str)):
+        raise MalformedRecord(f"a {type(raw).__name__}, not a string")
+    if len(raw) > MAX_RECORD_BYTES:
+        raise MalformedRecord(f"{len(raw)} bytes (at most {MAX_RECORD_BYTES})")
+    try:
+        rec = json.loads(raw, parse_float=_finite, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise MalformedRecord("JSON nested too deeply") from None
+    except ValueError as e:  # not JSON, not UTF-8, a non-finite number
+        raise MalformedRecord(f"not valid JSON: {str(e)[:80]}") from None
+    if not isinstance(rec, dict):
+        raise MalformedRecord(f"a JSON {type(rec).__name__}, not an object")
+    if _depth(rec, MAX_RECORD_DEPTH) > MAX_RECORD_DEPTH:
+        raise MalformedRecord(f"nested deeper than {MAX_RECORD_DEPTH}")
+    target, when = rec.get("target"), rec.get("time_unix_s")
+    if isinstance(target, bool) or not isinstance(target, int) or not 0 <= target <= MAX_REPLICAS:
+        raise MalformedRecord(f"target: {str(target)[:20]!r} is not a whole number within 0..{MAX_REPLICAS}")
+    if isinstance(when, bool) or not isinstance(when, (int, float)) or not math.isfinite(when):
+        raise MalformedRecord(f"time_unix_s: {str(when)[:20]!r} is not a finite number")
+    return rec
 
 
 def _redis_client(redis_cfg: Mapping[str, Any], timeout_s: float):
@@ -103,9 +161,10 @@ def _previous_last_change(redis_cfg: Mapping[str, Any], key: str) -> Optional[di
 
     try:
         raw = _redis_client(redis_cfg, timeout_s=0.5).get(key)
-        return (json.loads(raw) or {}).get("last_change") if raw else None
-    except (redis.RedisError, OSError, ValueError, AttributeError):
+        last = parse_record(raw).get("last_change") if raw else None
+    except (redis.RedisError, OSError, MalformedRecord):
         return None
+    return last if isinstance(last, dict) else None
 
 
 class GoodputPolicy:
@@ -150,14 +209,19 @@ class GoodputPolicy:
 class AutoscaleRecords:
     """The router's (and status's) reader of the autoscaler's records: one MGET per second from a
     thread; `records()` never touches Redis. Unreachable Redis: the last records age out and the
-    router falls back to its static view (`cluster.autoscale.effective_replicas`)."""
+    router falls back to its static view (`cluster.autoscale.effective_replicas`). A record that
+    `parse_record` refuses is left out (warning, `counters`, `on_malformed` hook with the pool)."""
 
-    def __init__(self, redis_cfg: Mapping[str, Any], pools: list[str], interval_s: float = 1.0, start: bool = True):
+    def __init__(self, redis_cfg: Mapping[str, Any], pools: list[str], interval_s: float = 1.0, start: bool = True,
+                 on_malformed: Optional[Callable[[str], None]] = None):
         self.pools = list(pools)
         self.keys = [record_key(redis_cfg.get("key_prefix", "specserve:v3"), p) for p in self.pools]
         self.interval_s = interval_s
+        self.on_malformed = on_malformed
         self._client = _redis_client(redis_cfg, timeout_s=max(float(redis_cfg.get("socket_timeout_s", 0.05)), 0.25))
         self._records: dict[str, dict] = {}
+        self._last_warn: dict[tuple, float] = {}
+        self.counters: collections.Counter = collections.Counter()
         self.stop = threading.Event()
         if start and self.pools:
             threading.Thread(target=self._run, name="specserve-autoscale-read", daemon=True).start()
@@ -166,17 +230,18 @@ class AutoscaleRecords:
         return self._records
 
     def fetch(self) -> dict[str, dict]:
-        """Read every pool's record now (raises redis errors)."""
+        """Read every pool's valid record now (raises redis errors)."""
         out = {}
         for pool, raw in zip(self.pools, self._client.mget(self.keys)):
             if raw is None:
                 continue
             try:
-                rec = json.loads(raw)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
-                out[pool] = rec
+                out[pool] = parse_record(raw)
+            except MalformedRecord as e:
+                self.counters["malformed"] += 1
+                self._warn(("malformed", pool), "ignoring the autoscale record of pool %s: %s", pool, e)
+                if self.on_malformed is not None:
+                    self.on_malformed(pool)
         return out
 
     def _run(self) -> None:
@@ -185,9 +250,21 @@ class AutoscaleRecords:
         while not self.stop.is_set():
             try:
                 self._records = self.fetch()
-            except (redis.RedisError, OSError):
-                pass  # keep the last records; they age out in effective_replicas
+            except (redis.RedisError, OSError) as e:  # keep the last records; they age out in effective_replicas
+                self.counters["redis_errors"] += 1
+                self._warn(("redis", type(e).__name__), "autoscale records not read (%d failures): %s: %s",
+                           self.counters["redis_errors"], type(e).__name__, e)
+            except Exception as e:  # noqa: BLE001 - a bug must not end the reader for good; logged, counted
+                self.counters["thread_errors"] += 1
+                self._warn(("thread", type(e).__name__), "autoscale reader: unexpected %s: %s (it carries on)",
+                           type(e).__name__, e)
             self.stop.wait(self.interval_s)
+
+    def _warn(self, what: tuple, msg: str, *args) -> None:
+        now = time.monotonic()
+        if now - self._last_warn.get(what, -1e9) >= 60.0:
+            self._last_warn[what] = now
+            log.warning(msg, *args)
 
     def close(self) -> None:
         self.stop.set()

@@ -70,15 +70,17 @@ class RouterReplica(Router):
         metrics = RouterMetrics()
         super().__init__(config, engines, tuning=_make_tuning(config, on_malformed=metrics.tuning_key_ignored,
                                                               on_redis_error=metrics.tuning_redis_error),
-                         classifier=_make_classifier(), auth=auth, metrics=metrics, autoscale=_make_autoscale(config))
+                         classifier=_make_classifier(), auth=auth, metrics=metrics,
+                         autoscale=_make_autoscale(config, on_malformed=lambda pool: metrics.failure(
+                             "autoscale_record", "malformed")))
 
 
-def _make_autoscale(config: ClusterConfig):
+def _make_autoscale(config: ClusterConfig, **kwargs):
     """Reader of the goodput autoscaler's records, for the pools it decides (None if none does)."""
     from cluster.autoscale_ray import AutoscaleRecords
 
     pools = [n for n, p in config.pools.items() if p.autoscaling is not None and p.autoscaling.policy == "goodput"]
-    return AutoscaleRecords(config.redis.model_dump(mode="json"), pools) if pools else None
+    return AutoscaleRecords(config.redis.model_dump(mode="json"), pools, **kwargs) if pools else None
 
 
 def _make_tuning(config: ClusterConfig, **kwargs):

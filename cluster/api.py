@@ -25,9 +25,12 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 class ErrorCode(enum.Enum):
-    """(gRPC status name, HTTP status, OpenAI error type)."""
+    """(gRPC status name, HTTP status, OpenAI error type). The OpenAI body's `code` is the member's
+    name in lower case (for most members, the gRPC status name)."""
 
     INVALID_ARGUMENT = ("INVALID_ARGUMENT", 400, "invalid_request_error")
+    REQUEST_TOO_LARGE = ("INVALID_ARGUMENT", 413, "invalid_request_error")  # a size limit of api.limits
+    UNSUPPORTED_MEDIA_TYPE = ("INVALID_ARGUMENT", 415, "invalid_request_error")  # HTTP only: not JSON
     UNAUTHENTICATED = ("UNAUTHENTICATED", 401, "authentication_error")
     NOT_FOUND = ("NOT_FOUND", 404, "not_found_error")
     RESOURCE_EXHAUSTED = ("RESOURCE_EXHAUSTED", 429, "rate_limit_error")
@@ -66,7 +69,7 @@ class ApiError(Exception):
                 "message": self.message,
                 "type": self.code.openai_type,
                 "param": self.field,
-                "code": self.code.grpc_name.lower(),
+                "code": self.code.name.lower(),
             }
         }
 
@@ -182,6 +185,35 @@ def parse_request(data: Any) -> GenerateRequest:
         return GenerateRequest.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
+
+
+def check_prompt_size(req: GenerateRequest, max_chars: int) -> None:
+    """REQUEST_TOO_LARGE unless the prompt, or all messages' contents together, has at most
+    `max_chars` characters (api.limits.max_prompt_chars)."""
+    field = "messages" if req.messages else "prompt"
+    n = len(req.prompt or "") + sum(len(m.content) for m in req.messages or ())
+    if n > max_chars:
+        raise ApiError(ErrorCode.REQUEST_TOO_LARGE,
+                       f"{field}: {n} characters in all, more than the limit of {max_chars} "
+                       "(api.limits.max_prompt_chars)", field=field)
+
+
+def check_json_content_type(header: Optional[str]) -> None:
+    """UNSUPPORTED_MEDIA_TYPE unless a request's Content-Type is application/json (charset utf-8 or
+    none): a cross-site form or `text/plain` POST, which a browser sends without asking, is refused."""
+    media, _, params = (header or "").partition(";")
+    charset = next((v.strip().strip('"').lower() for k, _, v in (p.partition("=") for p in params.split(";"))
+                    if k.strip().lower() == "charset"), "utf-8")
+    if media.strip().lower() != "application/json" or charset not in ("utf-8", "utf8"):
+        raise ApiError(ErrorCode.UNSUPPORTED_MEDIA_TYPE,
+                       f"content-type: {(header or '(none)')[:80]!r} is not supported; send application/json",
+                       field="content-type")
+
+
+def body_too_large(n: int, limit: int) -> ApiError:
+    """The 413 of an HTTP body of (at least) `n` bytes, past `limit` (api.limits.max_body_bytes)."""
+    return ApiError(ErrorCode.REQUEST_TOO_LARGE, f"body: {n} bytes or more, more than the limit of {limit} bytes "
+                                                 "(api.limits.max_body_bytes)", field="body")
 
 
 # -- OpenAI-compatible HTTP bodies ----------------------------------------------------------------

@@ -417,11 +417,32 @@ class AuthConfig(_Strict):
         return self
 
 
+class LimitsConfig(_Strict):
+    """Size limits of the front doors, checked before a request costs more than its bytes."""
+
+    max_body_bytes: int = Field(
+        4 << 20, ge=1024, description=(
+            "HTTP: largest body of a JSON endpoint; a larger one gets 413 (refused from its Content-Length before "
+            "reading, or once that many bytes were read). Ray's HTTP proxy buffers a body before the router sees "
+            "it: bound bodies at the load balancer or ingress too."))
+    max_prompt_chars: int = Field(
+        256 << 10, ge=1, description=(
+            "Largest prompt in characters: `prompt`, or all `messages` contents together; more gets HTTP 413 / "
+            "gRPC INVALID_ARGUMENT. (Each prompt or message is also at most 256 Ki characters.)"))
+    grpc_max_message_bytes: int = Field(
+        8 << 20, ge=1024, le=(1 << 31) - 1, description=(
+            "gRPC: largest message either way; a larger one gets RESOURCE_EXHAUSTED from grpc before any of our "
+            "code runs. Set on Ray's gRPC proxy through Ray Serve's RAY_SERVE_GRPC_MAX_MESSAGE_SIZE (the "
+            "environment of the Ray nodes, which `specserve up` and the rendered manifests set) and on the TLS "
+            "listener."))
+
+
 class ApiConfig(_Strict):
     host: str = Field("127.0.0.1", description="Address the HTTP and gRPC proxies listen on.")
     http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
     grpc_port: int = Field(9000, ge=0, le=65535, description="gRPC port (0 disables gRPC).")
     tls: TlsConfig = Field(default_factory=TlsConfig, description="TLS of the HTTP and gRPC endpoints.")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Size limits of requests at both doors.")
 
 
 class RayConfig(_Strict):

@@ -9,6 +9,7 @@ method name). Dependencies (engine handles, tuning store, classifier) are inject
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -16,7 +17,8 @@ from contextlib import aclosing
 from dataclasses import replace
 from typing import Any, AsyncIterator, Callable, Optional
 
-from cluster.api import ApiError, ErrorCode, GenerateRequest, from_openai
+from cluster.api import (ApiError, ErrorCode, GenerateRequest, body_too_large, check_json_content_type, check_prompt_size,
+                         from_openai)
 from cluster.auth import AUTH_ERROR_MESSAGE, ApiKeyStore, bearer_from_grpc, bearer_from_http
 from cluster.config import ClusterConfig
 from cluster.policy import class_model, load_bucket
@@ -31,6 +33,7 @@ RETRY_AFTER_S = 1.0
 LOAD_POLL_INTERVAL_S = 0.25  # how often each pool's engine load is sampled
 LOAD_POLL_TIMEOUT_S = 1.0
 LOAD_REPORT_MAX_AGE_S = 2.0  # older engine load reports are ignored
+FAILURE_LOG_INTERVAL_S = 60.0  # a recurring background failure is logged at most this often
 
 
 def _default_classifier(prompt: Optional[str], messages: Optional[list[dict]]) -> str:
@@ -66,6 +69,8 @@ class Router:
         self.finished: dict[str, dict[str, list[float]]] = {name: {} for name in config.pools}
         self._load_poll: Optional[asyncio.Task] = None
         self.health_open = auth is None or config.auth.allow_unauthenticated_health
+        self.failures: collections.Counter = collections.Counter()  # what -> failures off the request path
+        self._last_warn: dict[tuple[str, str], float] = {}  # (what, context) -> when last logged
 
     def _authenticate(self, header_value: Optional[str]) -> None:
         """Raise UNAUTHENTICATED, with one message whatever was wrong, unless the key is valid."""
@@ -107,8 +112,21 @@ class Router:
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:  # noqa: BLE001 - a busy or dying replica: keep the router's own count
-                    log.debug("load poll of pool %s failed: %s", name, e)
+                    self._failed("load_poll", e, f"pool {name}")
             await asyncio.sleep(LOAD_POLL_INTERVAL_S)
+
+    def _failed(self, what: str, e: BaseException, context: str) -> None:
+        """A failure off the request path (`what`: load_poll, get_tuning): counted in `failures` and
+        the metrics, logged at WARNING with its context at most once a minute per what and context."""
+        kind = type(e).__name__
+        self.failures[what] += 1
+        if self.metrics is not None:
+            self.metrics.failure(what, kind)
+        now = time.monotonic()
+        if now - self._last_warn.get((what, context), -1e9) >= FAILURE_LOG_INTERVAL_S:
+            self._last_warn[(what, context)] = now
+            log.warning("%s failed (%s; %d failures so far): %s: %s", what, context, self.failures[what], kind,
+                        str(e)[:300])
 
     def decide(self, req: GenerateRequest) -> tuple[str, Decision]:
         """Validated request -> (model, Decision). Pure apart from reading the live counters."""
@@ -141,6 +159,7 @@ class Router:
         """Validate against the cluster and decide; raises ApiError before anything is sent.
         `streamed`: the caller reads the text as it comes (else the engine sends it at the end)."""
         rid = req.ensure_request_id()
+        check_prompt_size(req, self.config.api.limits.max_prompt_chars)
         model, d = self.decide(req)
         # Only the policy's choices are adapted; an explicit K from the caller is kept. A pool with
         # step_k lets the engine pick K per step from the class's α (`per_step_k`); otherwise the
@@ -339,8 +358,9 @@ class Router:
                 return JSONResponse(self.models_json())
             if path in ("/v1/completions", "/v1/chat/completions") and request.method == "POST":
                 chat = path.endswith("chat/completions")
+                check_json_content_type(request.headers.get("content-type"))
                 try:
-                    body = json.loads(await request.body())
+                    body = json.loads(await self._read_body(request))
                 except (ValueError, UnicodeDecodeError, RecursionError) as e:
                     raise ApiError(ErrorCode.INVALID_ARGUMENT, f"body: not valid JSON ({e})", field="body") from None
                 req = from_openai(body, chat=chat)
@@ -357,6 +377,21 @@ class Router:
             if e.code is ErrorCode.UNAUTHENTICATED:
                 headers = {"WWW-Authenticate": 'Bearer realm="specserve"'}
             return JSONResponse(e.to_openai(), status_code=e.code.http_status, headers=headers)
+
+    async def _read_body(self, request) -> bytes:
+        """The request's body, read up to api.limits.max_body_bytes: 413 from its Content-Length
+        before reading, or as soon as more than that arrived."""
+        limit = self.config.api.limits.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise body_too_large(int(declared), limit)
+        chunks, n = [], 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                raise body_too_large(n, limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def _sse(self, req: GenerateRequest, chat: bool) -> AsyncIterator[str]:
         """SSE events. Errors before the first event propagate (so they become HTTP codes);
@@ -441,17 +476,29 @@ class Router:
         return out
 
     async def GetTuning(self, request, grpc_context=None):
+        """The tuning table of one served model (or of all): from the view the tuning store's
+        thread keeps, so no Redis I/O runs on the event loop. An unknown model is NOT_FOUND."""
         self._authenticate_grpc(grpc_context)
         request = self._decoded(request, grpc_context)
         from specserve.v1 import specserve_pb2 as pb
 
-        out = pb.GetTuningResponse(redis_ok=bool(self.tuning is not None and getattr(self.tuning, "healthy", False)))
-        if self.tuning is not None and hasattr(self.tuning, "table"):
-            models = [request.model] if request.model else self.served
-            for m in models:
-                for row in self.tuning.table(m):
-                    out.entries.add(**{k: v for k, v in row.items() if k in pb.TuningEntry.DESCRIPTOR.fields_by_name})
-        return out
+        try:
+            if request.model and request.model not in self.served:
+                raise ApiError(ErrorCode.NOT_FOUND, f"model: {request.model[:64]!r} is not served; served models: "
+                                                    f"{self.served}", field="model")
+            out = pb.GetTuningResponse(redis_ok=bool(self.tuning is not None and getattr(self.tuning, "healthy", False)))
+            if self.tuning is not None and hasattr(self.tuning, "table"):
+                fields = pb.TuningEntry.DESCRIPTOR.fields_by_name
+                for m in [request.model] if request.model else self.served:
+                    for row in self.tuning.table(m, fresh=False):
+                        out.entries.add(**{k: v for k, v in row.items() if k in fields})
+            return out
+        except ApiError as e:
+            raise self._grpc_fail(grpc_context, e) from None
+        except Exception as e:  # noqa: BLE001 - logged with context and counted; the caller gets INTERNAL
+            self._failed("get_tuning", e, f"model {request.model[:64]!r}")
+            raise self._grpc_fail(grpc_context, ApiError(
+                ErrorCode.INTERNAL, f"tuning table unavailable ({type(e).__name__})")) from None
 
     def _health_status(self, service: str) -> int:
         from grpc_health.v1 import health_pb2

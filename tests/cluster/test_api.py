@@ -81,3 +81,46 @@ def test_grpc_speculative_k_grow_maps_and_is_validated():
     with pytest.raises(ApiError) as e:
         from_proto(pb.GenerateRequest(prompt="x", speculative=pb.SpeculativeOverride(mode="ngram", k=2, k_grow=40)))
     assert e.value.field == "speculative.k_grow"
+
+
+# -- size limits and content types (api.limits) --------------------------------------------------------
+
+def test_total_prompt_size_counts_every_message():
+    from cluster.api import check_prompt_size
+
+    req = from_openai({"messages": [{"role": "user", "content": "x" * 1000}] * 10}, chat=True)
+    check_prompt_size(req, 10_000)
+    with pytest.raises(ApiError) as e:
+        check_prompt_size(req, 9_999)
+    assert e.value.code is ErrorCode.REQUEST_TOO_LARGE and e.value.field == "messages"
+    assert e.value.code.http_status == 413 and e.value.code.grpc_name == "INVALID_ARGUMENT"
+    assert "10000 characters" in e.value.message and "api.limits.max_prompt_chars" in e.value.message
+    assert e.value.to_openai()["error"]["code"] == "request_too_large"
+    with pytest.raises(ApiError) as e:
+        check_prompt_size(from_openai({"prompt": "abc"}, chat=False), 2)
+    assert e.value.field == "prompt"
+
+
+@pytest.mark.parametrize("header", ["application/json", "Application/JSON", "application/json; charset=utf-8",
+                                    'application/json;charset="UTF-8"', "application/json ; charset=utf8"])
+def test_json_content_types_pass(header):
+    from cluster.api import check_json_content_type
+
+    check_json_content_type(header)
+
+
+@pytest.mark.parametrize("header", [None, "", "text/plain", "text/plain; charset=utf-8", "application/x-www-form-urlencoded",
+                                    "multipart/form-data; boundary=x", "application/json; charset=latin-1",
+                                    "application/xml", "application/jsonx", "text/json"])
+def test_other_content_types_are_415(header):
+    from cluster.api import check_json_content_type
+
+    with pytest.raises(ApiError) as e:
+        check_json_content_type(header)
+    assert e.value.code is ErrorCode.UNSUPPORTED_MEDIA_TYPE and e.value.code.http_status == 415
+    assert e.value.field == "content-type" and "application/json" in e.value.message
+
+
+def test_error_codes_keep_their_openai_names():
+    assert {c.name.lower() for c in ErrorCode} >= {"invalid_argument", "resource_exhausted", "unavailable"}
+    assert ApiError(ErrorCode.INVALID_ARGUMENT, "x").to_openai()["error"]["code"] == "invalid_argument"

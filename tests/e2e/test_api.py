@@ -122,7 +122,8 @@ def test_http_errors_name_the_field(cluster):
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == status, (body, r.text)
         assert r.json()["error"]["param"] == field, r.text
-    r = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", timeout=30)
+    r = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"},
+                   timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "word " * 5000, "max_tokens": 4}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text

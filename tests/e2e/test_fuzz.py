@@ -35,7 +35,8 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from cluster.api import MAX_PROMPT_CHARS, ApiError, ErrorCode, from_openai
+from cluster.api import (MAX_PROMPT_CHARS, ApiError, ErrorCode, body_too_large, check_json_content_type,
+                         from_openai)
 from cluster.config import load_config
 from cluster.speculation import WORKLOAD_CLASSES, SpecMode
 from cluster.wire import from_proto
@@ -78,13 +79,18 @@ def _expect(router: Router, parse: Callable[[], Any]) -> Expect:
     return Expect(ok=True, max_tokens=req.max_tokens, long_prompt=chars >= LONG_PROMPT_CHARS, stream=req.stream)
 
 
-def _http_expect(router: Router, method: str, path: str, body: bytes) -> Expect:
-    """Mirror of Router.__call__'s dispatch, with the JSON parsing the router documents."""
+def _http_expect(router: Router, method: str, path: str, body: bytes,
+                 content_type: Optional[str] = "application/json") -> Expect:
+    """Mirror of Router.__call__'s dispatch, with the content type, size limit and JSON parsing the
+    router documents."""
     path = path.split("?")[0].rstrip("/")
     if method == "GET" and path in ("/v1/models", "/v1/specserve/status"):
         return Expect(ok=True)
     if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
         def parse():
+            check_json_content_type(content_type)
+            if len(body) > router.config.api.limits.max_body_bytes:
+                raise body_too_large(len(body), router.config.api.limits.max_body_bytes)
             try:
                 data = json.loads(body)
             except (ValueError, UnicodeDecodeError, RecursionError) as e:  # all are "not valid JSON"
@@ -638,13 +644,13 @@ def channel(cluster):
 
 def _clamp_http(case: HttpCase, oracle: Router) -> HttpCase:
     """A request that passes validation must ask for at most MAX_GEN_TOKENS tokens (the 2-core budget)."""
-    case.expect = _http_expect(oracle, case.method, case.path, case.body)
+    case.expect = _http_expect(oracle, case.method, case.path, case.body, case.content_type)
     if case.expect.ok and case.expect.max_tokens > MAX_GEN_TOKENS:
         body = json.loads(case.body)
         body.pop("max_completion_tokens", None)
         body["max_tokens"] = 1
         case.body, case.label = _dumps(body), case.label + "+clamped"
-        case.expect = _http_expect(oracle, case.method, case.path, case.body)
+        case.expect = _http_expect(oracle, case.method, case.path, case.body, case.content_type)
     return case
 
 

@@ -33,7 +33,7 @@ def start_cluster(config_path: str, wait_s: float = 900.0):
 
     from cluster.config import load_config
     from cluster.models import prepare_all
-    from cluster.placement import GRPC_SERVICER_FUNCTIONS
+    from cluster.placement import GRPC_SERVICER_FUNCTIONS, grpc_message_options, ray_node_env
     from deployments.app import build_app
 
     config = load_config(config_path)  # 1. fail fast on a bad config
@@ -53,6 +53,9 @@ def start_cluster(config_path: str, wait_s: float = 900.0):
             # ~60% of a stock server's speed side by side (BENCHMARKS.md, serving path). The engine
             # is the workload here, so workers run at the normal priority (read by the raylet).
             os.environ.setdefault(RAY_WORKER_NICENESS_ENV, "0")
+            # Read by the workers the raylet starts: the gRPC proxy's message-size bound (a joined
+            # cluster's nodes must have it in their own environment, as the rendered manifests do).
+            os.environ.update(ray_node_env(config))
         ray.init(address=config.ray.address, num_cpus=config.ray.num_cpus if local else None,
                  include_dashboard=False, logging_level=logging.WARNING,
                  **({"_metrics_export_port": config.ray.metrics_export_port} if local and config.ray.metrics_export_port else {}),
@@ -75,7 +78,8 @@ def start_cluster(config_path: str, wait_s: float = 900.0):
             from cluster.tls import GrpcTlsForwarder, grpc_server_credentials
 
             forwarder = GrpcTlsForwarder(f"{config.api.host}:{tls.grpc_tls_port}", f"127.0.0.1:{config.api.grpc_port}",
-                                         grpc_server_credentials(tls.certfile, tls.keyfile, tls.client_ca_file)).start()
+                                         grpc_server_credentials(tls.certfile, tls.keyfile, tls.client_ca_file),
+                                         options=grpc_message_options(config)).start()
         print("[specserve] deploying (engine start-up takes about a minute per engine on a small CPU)...")
         t0 = time.monotonic()
         # serve.run waits for the application without a bound; its non-waiting form returns once

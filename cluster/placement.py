@@ -20,6 +20,23 @@ GRPC_SERVICER_FUNCTIONS = [
 ]
 
 
+# Ray Serve 2.60's gRPCOptions has no message-size field; its proxy reads this variable when it
+# starts (ray/serve/_private/constants.py: the server's max send and receive message length).
+GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
+
+
+def ray_node_env(config: ClusterConfig) -> dict[str, str]:
+    """Environment of every Ray node (so of every worker, Serve's proxies included) that the
+    config asks for: the gRPC proxy's message-size bound (api.limits.grpc_max_message_bytes)."""
+    return {GRPC_MAX_MESSAGE_ENV: str(config.api.limits.grpc_max_message_bytes)}
+
+
+def grpc_message_options(config: ClusterConfig) -> list[tuple[str, int]]:
+    """grpc channel / server options with the same bound, for the TLS listener in front of the proxy."""
+    n = config.api.limits.grpc_max_message_bytes
+    return [("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n)]
+
+
 def engine_deployment_name(pool_name: str) -> str:
     return f"engine-{pool_name}"
 

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from cluster.config import ClusterConfig, ConfigError, parse_config
 from cluster.placement import (
     GRPC_SERVICER_FUNCTIONS, drafter_deployment_options, engine_deployment_options, router_deployment_options,
-    used_drafters,
+    ray_node_env, used_drafters,
 )
 
 IMPORT_PATH = "deployments.app:build_app"
@@ -294,6 +294,7 @@ def _pod(settings: RenderSettings, cfg: ClusterConfig, group: NodeGroup, role: s
         {"name": "HOME", "value": "/tmp"},
         # Ray starts workers (Serve replicas, so the engines) at nice 15 by default: see cluster/cli.py.
         {"name": "RAY_worker_niceness", "value": "0"},
+        *({"name": k, "value": v} for k, v in sorted(ray_node_env(cfg).items())),  # e.g. the gRPC message-size bound
         {"name": "SPECSERVE_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": settings.redis_secret, "key": "password"}}},
         {"name": "SPECSERVE_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": settings.redis_secret, "key": "url", "optional": True}}},
         {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": settings.hf_secret, "key": "token", "optional": True}}},

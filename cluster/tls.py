@@ -149,8 +149,10 @@ class GrpcTlsForwarder:
     """The forwarder on its own event loop in a daemon thread, for a synchronous caller such as
     `specserve up`: `fwd = GrpcTlsForwarder(listen, upstream, creds).start(); ...; fwd.stop()`."""
 
-    def __init__(self, listen: str, upstream: str, server_credentials, startup_timeout_s: float = 10.0):
+    def __init__(self, listen: str, upstream: str, server_credentials, startup_timeout_s: float = 10.0,
+                 options: Sequence[tuple[str, Any]] = ()):
         self.listen, self.upstream, self._creds = listen, upstream, server_credentials
+        self.options = list(options)  # grpc options of the listener and its upstream channel (message sizes)
         self.startup_timeout_s = startup_timeout_s
         self.port: Optional[int] = None
         self._loop = asyncio.new_event_loop()
@@ -160,7 +162,7 @@ class GrpcTlsForwarder:
     def start(self) -> "GrpcTlsForwarder":
         self._thread.start()
         fut = asyncio.run_coroutine_threadsafe(
-            start_grpc_tls_forwarder(self.listen, self.upstream, self._creds), self._loop)
+            start_grpc_tls_forwarder(self.listen, self.upstream, self._creds, self.options), self._loop)
         self._server, self.port = fut.result(timeout=self.startup_timeout_s)
         return self
 

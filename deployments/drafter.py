@@ -162,6 +162,10 @@ class DrafterStats:
     evicted_idle: int = 0
     evicted_lru: int = 0
     compute_s: float = 0.0
+    connections: int = 0  # targets connected now
+    connections_ended: int = 0  # connections whose serve loop ended other than by close() (WARNING each)
+    connection_errors: int = 0  # ... of which on an error (a malformed frame, a failed send, a bug), not a peer's close
+    accept_failures: int = 0  # the accept loop ended on an error: the endpoint is down (check_health fails)
 
 
 class Drafter:
@@ -298,27 +302,41 @@ class DraftServer:
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
             try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return  # closed
+                conn, peer = self._sock.accept()
+            except OSError as e:
+                if not self._closed.is_set():
+                    self.drafter.stats.accept_failures += 1
+                    log.warning("drafter endpoint %s: accept loop ended (%s: %s); %d targets still connected",
+                                self.address, type(e).__name__, e, len(self._conns))
+                return
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="draft-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, peer), name="draft-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, peer: Any = None) -> None:
+        """One target's connection: frames in, replies out, until either side ends it. An end that
+        close() did not cause is logged at WARNING with the peer and why, and counted."""
+        stats, frames = self.drafter.stats, 0
+        stats.connections += 1
+        why, error = "", False
         with conn:
             try:
                 while not self._closed.is_set():
-                    try:
-                        msg = recv_frame(conn)
-                    except (WireError, OSError):
-                        return
-                    try:
-                        send_frame(conn, self.handle(msg))
-                    except (WireError, OSError):
-                        return
+                    msg = recv_frame(conn)
+                    send_frame(conn, self.handle(msg))
+                    frames += 1
+            except WireError as e:  # closed by the peer, or a malformed frame
+                why, error = str(e), str(e) != "connection closed by peer"
+            except Exception as e:  # noqa: BLE001 - a socket error or a bug: the loop ends, logged and counted
+                why, error = f"{type(e).__name__}: {e}", True
             finally:
                 self._conns.discard(conn)
+                stats.connections -= 1
+        if not self._closed.is_set():
+            stats.connections_ended += 1
+            stats.connection_errors += int(error)
+            log.warning("drafter endpoint %s: connection from %s ended after %d frames: %s", self.address,
+                        _peer(peer), frames, why[:200])
 
     def handle(self, msg: Any) -> dict:
         """One request frame -> one reply frame; a malformed request gets {"error": ...}, never a crash."""
@@ -383,6 +401,10 @@ class DrafterServer:
         server = getattr(self, "server", None)
         if server is not None:
             server.close()
+
+
+def _peer(peer: Any) -> str:
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer)
 
 
 def _node_ip() -> str:

@@ -1,0 +1,98 @@
+"""The drafter endpoint's loops, without a model: a connection's serve loop and the accept loop
+ending (other than by close()) are logged at WARNING with the peer and the reason, and counted in
+the drafter's stats."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import time
+
+from cluster.draft_wire import recv_frame, send_frame
+from deployments.drafter import Drafter, DraftServer
+
+
+def wait_until(cond, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not cond():
+        time.sleep(0.01)
+    return cond()
+
+
+def server():
+    return DraftServer(Drafter(model=None), "127.0.0.1", 0)
+
+
+def warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "specserve.drafter"]
+
+
+def test_a_peer_closing_its_connection_is_logged_and_counted(caplog):
+    srv = server()
+    stats = srv.drafter.stats
+    try:
+        with caplog.at_level(logging.WARNING, logger="specserve.drafter"):
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+                send_frame(s, {"client": "t", "seqs": []})  # a ping
+                assert recv_frame(s)["drafts"] == []
+                assert wait_until(lambda: stats.connections == 1)
+                port = s.getsockname()[1]
+            assert wait_until(lambda: stats.connections_ended == 1)
+        assert stats.connections == 0 and stats.connection_errors == 0
+        (msg,) = warnings(caplog)
+        assert f"127.0.0.1:{port}" in msg and "after 1 frames" in msg and "closed by peer" in msg
+    finally:
+        srv.close()
+
+
+def test_a_malformed_frame_ends_the_connection_as_an_error(caplog):
+    srv = server()
+    stats = srv.drafter.stats
+    try:
+        with caplog.at_level(logging.WARNING, logger="specserve.drafter"):
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+                s.sendall(struct.pack(">I", 2**31))  # a frame far past the limit
+                assert wait_until(lambda: stats.connection_errors == 1)
+        assert stats.connections_ended == 1
+        assert any("exceeds" in m for m in warnings(caplog))
+    finally:
+        srv.close()
+
+
+def test_a_bug_in_handling_a_frame_ends_the_connection_logged_not_silently(caplog, monkeypatch):
+    srv = server()
+    monkeypatch.setattr(srv, "handle", lambda msg: 1 / 0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="specserve.drafter"):
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+                send_frame(s, {"client": "t", "seqs": []})
+                assert wait_until(lambda: srv.drafter.stats.connection_errors == 1)
+        assert any("ZeroDivisionError" in m for m in warnings(caplog))
+        assert srv.alive()  # the listener is unaffected
+    finally:
+        srv.close()
+
+
+def test_the_accept_loop_ending_on_an_error_is_logged_and_counted(caplog):
+    srv = server()
+    try:
+        with caplog.at_level(logging.WARNING, logger="specserve.drafter"):
+            srv._sock.shutdown(socket.SHUT_RDWR)  # the listening socket fails under the loop
+            srv._sock.close()
+            assert wait_until(lambda: not srv._thread.is_alive())
+        assert srv.drafter.stats.accept_failures == 1 and not srv.alive()
+        assert any("accept loop ended" in m and srv.address in m for m in warnings(caplog))
+    finally:
+        srv.close()
+
+
+def test_close_ends_the_loops_without_warnings(caplog):
+    srv = server()
+    with caplog.at_level(logging.WARNING, logger="specserve.drafter"):
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        assert wait_until(lambda: srv.drafter.stats.connections == 1)
+        srv.close()
+        assert wait_until(lambda: srv.drafter.stats.connections == 0 and not srv._thread.is_alive())
+        s.close()
+    assert warnings(caplog) == [] and srv.drafter.stats.accept_failures == 0

@@ -113,6 +113,7 @@ def snapshot_from_context(ctx: Any, plain_step_s: tuple = ()) -> "Any":
     replicas = []
     for rid in sorted(ids, key=str):
         vals = {m: float(agg[m][rid]) for m in CUSTOM_METRICS if rid in agg.get(m, {})}
+        vals = {m: v for m, v in vals.items() if math.isfinite(v)}  # readers refuse records with NaN / inf
         name = getattr(rid, "unique_id", None) or str(rid)
         replicas.append(ReplicaMetrics(replica=str(name), **vals))
     return PoolSnapshot(now_s=float(ctx.current_time or time.time()), running_replicas=int(ctx.current_num_replicas),
@@ -147,8 +148,8 @@ class _Publisher:
             if record is None:
                 continue
             try:
-                self._client.set(self.key, json.dumps(record), ex=RECORD_TTL_S)
-            except (redis.RedisError, OSError) as e:
+                self._client.set(self.key, json.dumps(record, allow_nan=False), ex=RECORD_TTL_S)
+            except (redis.RedisError, OSError, ValueError) as e:  # ValueError: a non-finite number
                 self.failures += 1
                 if time.monotonic() - last_warn > 60:
                     last_warn = time.monotonic()

@@ -385,8 +385,8 @@ def cmd_tuning(args) -> int:
     from cluster.tuning import TuningStore
 
     cfg = load_config(args.config)
-    store = TuningStore(cfg.redis, models=tuple(cfg.served_models()), start=False)
     models = [args.model] if args.model else cfg.served_models()
+    store = TuningStore(cfg.redis, models=tuple(models), start=False)
     try:
         reachable = all([store.refresh_now(m) for m in models])
         if args.explain:

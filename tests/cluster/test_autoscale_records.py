@@ -97,3 +97,22 @@ def test_the_reader_keeps_good_records_and_survives_hostile_ones(redis_server, r
         assert "bad0" in reader.records()  # the thread is alive and reading
     finally:
         reader.close()
+
+
+def test_the_policy_publishes_no_non_finite_number():
+    """Ray's averaged metrics may hold NaN or inf; the snapshot (and so the record) keeps only finite
+    values, so what the controller publishes is a record the readers accept."""
+    from types import SimpleNamespace
+
+    from cluster.autoscale import AutoscalingConfig, decide
+    from cluster.autoscale_ray import snapshot_from_context
+
+    ctx = SimpleNamespace(aggregated_metrics={"tpot_p99_s": {"r1": float("nan")}, "unfinished": {"r1": float("inf")},
+                                              "tokens_per_s": {"r1": 12.5}},
+                          current_time=NOW, current_num_replicas=1, target_num_replicas=1, total_num_requests=3)
+    snap = snapshot_from_context(ctx)
+    (r,) = snap.replicas
+    assert r.tpot_p99_s == -1.0 and r.unfinished == 0.0 and r.tokens_per_s == 12.5
+    verdict, _ = decide(snap, AutoscalingConfig())
+    raw = json.dumps({**verdict.record("ngram", snap), "snapshot": snap.to_dict()}, allow_nan=False)
+    assert parse_record(raw)["target"] == 1

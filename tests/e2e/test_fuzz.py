@@ -104,6 +104,8 @@ def _http_expect(router: Router, method: str, path: str, body: bytes,
 def _grpc_expect(router: Router, method: str, raw: bytes) -> Expect:
     if method not in ("Generate", "GenerateStream"):
         return Expect(ok=False, grpc_code="UNIMPLEMENTED")
+    if len(raw) > router.config.api.limits.grpc_max_message_bytes:  # refused by grpc in the proxy
+        return Expect(ok=False, grpc_code="RESOURCE_EXHAUSTED")
     try:
         msg = pb.GenerateRequest.FromString(raw)
     except DecodeError:  # invalid UTF-8 in a string field, corrupt wire format

@@ -3,7 +3,8 @@
 It serves both front doors from one class: HTTP (OpenAI-compatible, through `__call__`) and gRPC
 (`specserve.v1.SpecServe` and `grpc.health.v1.Health` methods, called by Ray Serve's gRPC proxy by
 method name). Dependencies (engine handles, tuning store, classifier) are injected through
-`__init__`, so tests can build a Router without Ray. The decision itself is `cluster.routing.route`.
+`__init__`, so tests can build a Router without Ray. The decision itself is `cluster.routing.route`;
+the call to the engine pool, with its bounded waits, is `deployments.engine_call`.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from cluster.routing import (Decision, LoadMeter, PoolView, cap_at_admission, de
                              pool_views, resolve_model, route, with_load)
 from cluster.wire import Completion, openai_chunk, openai_error_event, openai_response
 from deployments.engine import EngineChunk, EngineRequest
+from deployments.engine_call import RETRY_AFTER_S, engine_chunks, map_error
 
 log = logging.getLogger("specserve.router")
 
-RETRY_AFTER_S = 1.0
 LOAD_POLL_INTERVAL_S = 0.25  # how often each pool's engine load is sampled
 LOAD_POLL_TIMEOUT_S = 1.0
 LOAD_REPORT_MAX_AGE_S = 2.0  # older engine load reports are ignored
@@ -219,7 +220,7 @@ class Router:
         mark = self.meter.mark(domain, time.monotonic())
         replica = ""
         try:
-            async with aclosing(self._engine_chunks(d, ereq)) as chunks:
+            async with aclosing(engine_chunks(self.engines[d.pool], self.config.router, d, ereq)) as chunks:
                 async for chunk in chunks:
                     now = time.perf_counter()
                     replica = chunk.replica or replica
@@ -246,7 +247,7 @@ class Router:
         except ApiError:
             raise
         except Exception as e:  # noqa: BLE001 - mapped to a typed API error with context
-            raise self._map_error(e, rid, d) from e
+            raise map_error(e, rid, d) from e
         finally:
             self.inflight[d.pool] -= 1
             self.meter.change(domain, -1, time.monotonic())
@@ -260,60 +261,6 @@ class Router:
         done.append(now)
         if done[0] < now - LOAD_REPORT_MAX_AGE_S:
             done[:] = [t for t in done if t >= now - LOAD_REPORT_MAX_AGE_S]
-
-    async def _engine_chunks(self, d: Decision, ereq: EngineRequest) -> AsyncIterator[EngineChunk]:
-        """The engine's chunks for one request, with every wait bounded: the first chunk within
-        router.first_token_timeout_s, each later one within router.stream_idle_timeout_s (else
-        UNAVAILABLE). A replica that dies before the first chunk is retried once on the pool (nothing
-        was delivered yet); after that the stream ends with UNAVAILABLE. An unfinished call is
-        cancelled, which aborts the request in vLLM and frees its KV cache."""
-        r = self.config.router
-        for attempt in (1, 2):
-            gen = self.engines[d.pool].options(stream=True).generate.remote(ereq)
-            started = done = False
-            try:
-                while not done:
-                    wait_s = r.stream_idle_timeout_s if started else r.first_token_timeout_s
-                    try:
-                        chunk = await asyncio.wait_for(gen.__anext__(), timeout=wait_s)
-                    except StopAsyncIteration:
-                        done = True
-                        return
-                    except asyncio.TimeoutError:
-                        raise ApiError(ErrorCode.UNAVAILABLE,
-                                       f"pool {d.pool!r} gave no output for {wait_s:.0f} s", retry_after_s=RETRY_AFTER_S
-                                       ) from None
-                    started = True
-                    done = chunk.finish_reason is not None
-                    yield chunk
-                return
-            except Exception as e:  # noqa: BLE001 - re-raised unless a safe retry applies
-                if started or attempt == 2 or not _replica_gone(e):
-                    raise
-                log.warning("request %s: engine replica of pool %s failed before output (%s); retrying once",
-                            ereq.request_id, d.pool, type(e).__name__)
-            finally:
-                if not done:
-                    _cancel(gen, ereq.request_id)
-
-    def _map_error(self, e: Exception, rid: str, d: Decision) -> ApiError:
-        """Ray / vLLM failures -> typed API errors (Ray's task errors are also instances of the cause)."""
-        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, TaskCancelledError
-        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
-
-        if isinstance(e, BackPressureError):
-            return ApiError(ErrorCode.RESOURCE_EXHAUSTED, f"pool {d.pool!r} is overloaded; retry later",
-                            retry_after_s=RETRY_AFTER_S)
-        if isinstance(e, (asyncio.CancelledError, RequestCancelledError, TaskCancelledError)):
-            return ApiError(ErrorCode.CANCELLED, "request cancelled")
-        if isinstance(e, ValueError):  # vLLM input validation (e.g. prompt longer than the context)
-            return ApiError(ErrorCode.INVALID_ARGUMENT, f"prompt: {str(e).strip().splitlines()[-1][:300]}",
-                            field="prompt")
-        if isinstance(e, (DeploymentUnavailableError, ActorDiedError, ActorUnavailableError, RayActorError)):
-            return ApiError(ErrorCode.UNAVAILABLE, f"engine replica unavailable ({type(e).__name__})",
-                            retry_after_s=RETRY_AFTER_S)
-        log.exception("request %s (pool %s, mode %s, k %d) failed", rid, d.pool, d.mode.value, d.k)
-        return ApiError(ErrorCode.INTERNAL, f"internal error ({type(e).__name__}); request id {rid}")
 
     def _at_met_load(self, d: Decision, met: Optional[float]) -> Decision:
         """`d` with the load bucket its statistics belong to: the mean load this router saw on the
@@ -555,22 +502,6 @@ class Router:
             "redis_ok": bool(self.tuning is not None and getattr(self.tuning, "healthy", False)),
             **({"autoscale": self.autoscale.records()} if self.autoscale is not None else {}),
         }
-
-
-def _replica_gone(e: BaseException) -> bool:
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-    from ray.serve.exceptions import DeploymentUnavailableError
-
-    return isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError))
-
-
-def _cancel(gen: Any, rid: str) -> None:
-    """Cancel an engine call. A call whose assignment already failed (e.g. backpressure) re-raises
-    that failure from cancel(); it is being reported to the caller already, so only log it here."""
-    try:
-        gen.cancel()
-    except Exception as e:  # noqa: BLE001 - see docstring
-        log.debug("request %s: nothing to cancel (%s)", rid, type(e).__name__)
 
 
 async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -301,6 +301,18 @@ class PoolConfig(_Strict):
         return [SpecMode.NONE] if self.method == SpecMode.NONE else [self.method, SpecMode.NONE]
 
 
+class TeachingConfig(_Strict):
+    """What traffic teaches the tuner (`cluster/teaching.py`; docs/security.md)."""
+
+    max_temperature: float = Field(
+        1.0, ge=0.0, le=2.0, description="Requests sampled at a higher temperature teach the tuner nothing.")
+    client_rate_per_s: float = Field(
+        4.0, ge=0.0, description=(
+            "Requests per second, on average, one client (its API key, else its peer address) may teach the "
+            "tuner, per router replica; past it they are served but not learned from. 0: no bound."))
+    client_burst: int = Field(240, ge=1, description="Requests one client may teach at once (its bucket's size).")
+
+
 class RouterConfig(_Strict):
     default_mode: str = Field(
         "auto",
@@ -322,6 +334,8 @@ class RouterConfig(_Strict):
     stream_idle_timeout_s: float = Field(
         60.0, gt=0, description="A stream that gets no output for this long fails with UNAVAILABLE."
     )
+    teaching: TeachingConfig = Field(default_factory=TeachingConfig,
+                                     description="What traffic teaches the tuner, and each client's weight.")
 
     @field_validator("default_mode")
     @classmethod

@@ -40,6 +40,10 @@ class RouterMetrics:
             "Failed Redis calls of the tuning state, by operation (flush, refresh, table) and error "
             "(OutOfMemoryError, ReadOnlyError, NoPermissionError, ConnectionError, TimeoutError, ...).",
             tag_keys=("op", "kind"))
+        self.tuning_excluded_requests = Counter(
+            "specserve_tuning_excluded",
+            "Finished requests kept out of the tuning state, by reason (caller_mode, caller_class, ignore_eos, "
+            "temperature, client_budget: cluster/teaching.py).", tag_keys=("reason",))
         self.failures = Counter(
             "specserve_router_failures",
             "Failures off the request path, by what failed (load_poll, get_tuning, autoscale_record) and error type.",
@@ -65,6 +69,9 @@ class RouterMetrics:
 
     def tuning_redis_error(self, op: str, kind: str) -> None:
         self.tuning_redis_errors.inc(1, {"op": op, "kind": kind})
+
+    def tuning_excluded(self, reason: str) -> None:
+        self.tuning_excluded_requests.inc(1, {"reason": reason})
 
     def failure(self, what: str, kind: str) -> None:
         self.failures.inc(1, {"what": what, "kind": kind})

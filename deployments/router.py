@@ -23,6 +23,7 @@ from cluster.api import (ApiError, ErrorCode, GenerateRequest, body_too_large, c
 from cluster.auth import AUTH_ERROR_MESSAGE, ApiKeyStore, bearer_from_grpc, bearer_from_http
 from cluster.config import ClusterConfig
 from cluster.policy import class_model, load_bucket
+from cluster.teaching import Lesson, Teacher, client_id
 from cluster.routing import (Decision, LoadMeter, PoolView, cap_at_admission, decision_summary, growth_rule, load_domain, per_step_k, pool_load,
                              pool_views, resolve_model, route, with_load)
 from cluster.wire import Completion, openai_chunk, openai_error_event, openai_response
@@ -71,18 +72,23 @@ class Router:
         self._load_poll: Optional[asyncio.Task] = None
         self.health_open = auth is None or config.auth.allow_unauthenticated_health
         self.failures: collections.Counter = collections.Counter()  # what -> failures off the request path
+        self.teacher = Teacher.from_config(config.router.teaching)  # what traffic teaches the tuner
         self._last_warn: dict[tuple[str, str], float] = {}  # (what, context) -> when last logged
 
-    def _authenticate(self, header_value: Optional[str]) -> None:
-        """Raise UNAUTHENTICATED, with one message whatever was wrong, unless the key is valid."""
-        if self.auth is not None and self.auth.check(header_value) is None:
+    def _authenticate(self, header_value: Optional[str]) -> Optional[str]:
+        """The valid key's label (None without keys); else UNAUTHENTICATED, with one message whatever was wrong."""
+        label = self.auth.check(header_value) if self.auth is not None else None
+        if self.auth is not None and label is None:
             raise ApiError(ErrorCode.UNAUTHENTICATED, AUTH_ERROR_MESSAGE)
+        return label
 
-    def _authenticate_grpc(self, ctx: Any) -> None:
+    def _authenticate_grpc(self, ctx: Any) -> str:
+        """The caller's `client_id` (its key's label, else its peer), or UNAUTHENTICATED."""
         try:
-            self._authenticate(bearer_from_grpc(ctx))
+            label = self._authenticate(bearer_from_grpc(ctx))
         except ApiError as e:
             raise self._grpc_fail(ctx, e) from None
+        return client_id(label, ctx.peer() if hasattr(ctx, "peer") else None)
 
     # -- the decision ----------------------------------------------------------------------------
 
@@ -132,14 +138,14 @@ class Router:
     def decide(self, req: GenerateRequest) -> tuple[str, Decision]:
         """Validated request -> (model, Decision). Pure apart from reading the live counters."""
         model = resolve_model(req.model, self.served)
-        wclass = req.workload_class or self.classify(
-            req.prompt, [m.model_dump() for m in req.messages] if req.messages else None
-        )
+        classified = self.classify(req.prompt, [m.model_dump() for m in req.messages] if req.messages else None)
+        wclass = req.workload_class or classified
         spec = req.speculative
         tuning = self.tuning.snapshot(model) if self.tuning is not None else None
         decision = route(self._live_pools(model), self.config.router, wclass,
                          mode_override=spec.mode if spec else None, k_override=spec.k if spec else None,
                          tuning=tuning)
+        decision.detail["classified"] = classified  # what teaches the tuner (`cluster.teaching`)
         if "load_bucket" not in decision.detail:  # the bucket its stats belong to: the load it met
             live = {v.name: v for v in self._live_pools(model)}
             decision.detail["load_bucket"] = load_bucket(live[decision.pool].load_batch + 1.0)
@@ -207,8 +213,10 @@ class Router:
             self._caps[pool_name] = cached
         return cached[1]
 
-    async def _stream(self, req: GenerateRequest, streamed: bool = True) -> AsyncIterator[tuple[EngineChunk, Completion]]:
-        """Yield (chunk, running completion) pairs; the last pair has the final stats."""
+    async def _stream(self, req: GenerateRequest, streamed: bool = True, client: str = "unknown",
+                      ) -> AsyncIterator[tuple[EngineChunk, Completion]]:
+        """Yield (chunk, running completion) pairs; the last pair has the final stats. `client`:
+        who sent it (`cluster.teaching.client_id`)."""
         t0 = time.perf_counter()
         self._ensure_load_poll()
         model, d, ereq = self.plan(req, streamed)
@@ -243,7 +251,8 @@ class Router:
             if comp.finish_reason is None:
                 raise ApiError(ErrorCode.UNAVAILABLE, "engine stream ended before the request finished",
                                retry_after_s=RETRY_AFTER_S)
-            self._record(model, self._at_met_load(d, self.meter.mean_since(domain, mark, time.monotonic())), comp)
+            met = self._at_met_load(d, self.meter.mean_since(domain, mark, time.monotonic()))
+            self._record(model, met, comp, Lesson.of(req, d), client)
         except ApiError:
             raise
         except Exception as e:  # noqa: BLE001 - mapped to a typed API error with context
@@ -274,20 +283,26 @@ class Router:
         return replace(d, detail={**d.detail, "load_bucket": load_bucket(max(met, 1.0)),
                                   "admission_bucket": d.detail.get("load_bucket")})
 
-    def _record(self, model: str, d: Decision, comp: Completion) -> None:
-        """Metrics and tuning state from a finished request; neither may ever fail the request."""
+    def _record(self, model: str, d: Decision, comp: Completion, lesson: Lesson, client: str) -> None:
+        """Metrics and tuning state from a finished request; neither may ever fail the request. The
+        tuning state learns only from what `self.teacher` admits (`cluster.teaching`)."""
         try:
             if self.metrics is not None:
                 self.metrics.observe(d, comp.stats)
-            if self.tuning is not None:
+            if self.tuning is None:
+                return
+            why = self.teacher.exclusion(lesson, client, time.monotonic())
+            if why is None:
                 self.tuning.record_completion(model, d, comp)  # in the bucket of the load it met
+            elif self.metrics is not None:
+                self.metrics.tuning_excluded(why)
         except Exception:  # noqa: BLE001 - see docstring; logged with context
             log.warning("recording stats of %s (pool %s, mode %s, k %d) failed", comp.request_id, d.pool,
                         d.mode.value, d.k, exc_info=True)
 
-    async def complete(self, req: GenerateRequest) -> Completion:
+    async def complete(self, req: GenerateRequest, client: str = "unknown") -> Completion:
         comp = None
-        async with aclosing(self._stream(req, streamed=False)) as stream:
+        async with aclosing(self._stream(req, streamed=False, client=client)) as stream:
             async for _, comp in stream:
                 pass
         assert comp is not None
@@ -300,7 +315,7 @@ class Router:
 
         path = request.url.path.rstrip("/")
         try:
-            self._authenticate(bearer_from_http(request.headers))
+            client = client_id(self._authenticate(bearer_from_http(request.headers)), request.client)
             if path == "/v1/models" and request.method == "GET":
                 return JSONResponse(self.models_json())
             if path in ("/v1/completions", "/v1/chat/completions") and request.method == "POST":
@@ -312,10 +327,10 @@ class Router:
                     raise ApiError(ErrorCode.INVALID_ARGUMENT, f"body: not valid JSON ({e})", field="body") from None
                 req = from_openai(body, chat=chat)
                 if req.stream:
-                    stream = self._sse(req, chat)
+                    stream = self._sse(req, chat, client)
                     first = await stream.__anext__()  # validation, routing and overload errors -> HTTP codes
                     return StreamingResponse(_prepend(first, stream), media_type="text/event-stream")
-                return JSONResponse(openai_response(await self.complete(req), chat))
+                return JSONResponse(openai_response(await self.complete(req, client), chat))
             if path == "/v1/specserve/status" and request.method == "GET":
                 return JSONResponse(await self.status())
             raise ApiError(ErrorCode.NOT_FOUND, f"no route {request.method} {path}", field="path")
@@ -340,12 +355,12 @@ class Router:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def _sse(self, req: GenerateRequest, chat: bool) -> AsyncIterator[str]:
+    async def _sse(self, req: GenerateRequest, chat: bool, client: str) -> AsyncIterator[str]:
         """SSE events. Errors before the first event propagate (so they become HTTP codes);
         later ones are sent as an error event, then [DONE]."""
         started = False
         try:
-            async with aclosing(self._stream(req)) as stream:
+            async with aclosing(self._stream(req, client=client)) as stream:
                 async for chunk, comp in stream:
                     final = comp if chunk.finish_reason is not None else None
                     yield openai_chunk(comp.request_id, comp.model, chat, chunk.text, chunk.token_ids, final)
@@ -379,24 +394,24 @@ class Router:
         return request
 
     async def Generate(self, request, grpc_context=None):
-        self._authenticate_grpc(grpc_context)
+        client = self._authenticate_grpc(grpc_context)
         request = self._decoded(request, grpc_context)
         from specserve.v1 import specserve_pb2 as pb
         from cluster.wire import from_proto, generate_response_proto
 
         try:
-            return generate_response_proto(pb, await self.complete(from_proto(request)))
+            return generate_response_proto(pb, await self.complete(from_proto(request), client))
         except ApiError as e:
             raise self._grpc_fail(grpc_context, e) from None
 
     async def GenerateStream(self, request, grpc_context=None):
-        self._authenticate_grpc(grpc_context)
+        client = self._authenticate_grpc(grpc_context)
         request = self._decoded(request, grpc_context)
         from specserve.v1 import specserve_pb2 as pb
         from cluster.wire import from_proto, spec_stats_proto, timing_proto
 
         try:
-            async with aclosing(self._stream(from_proto(request))) as stream:
+            async with aclosing(self._stream(from_proto(request), client=client)) as stream:
                 async for chunk, comp in stream:
                     msg = pb.GenerateStreamResponse(request_id=comp.request_id, text=chunk.text,
                                                     token_ids=chunk.token_ids)

@@ -265,7 +265,8 @@ class RecordingTuning:
 
 def test_stats_are_recorded_in_the_bucket_of_the_load_they_met():
     # The local pools share one hardware group: a request that ran while 3 others ran on either
-    # pool met a batch of 4 (bucket 4-7), whichever pool and whoever decided; one alone met batch 1.
+    # pool met a batch of 4 (bucket 4-7), whichever pool; one alone met batch 1. A K the caller
+    # chose teaches the tuner nothing (`cluster.teaching`).
     import time
 
     router, _ = make_router(lambda: FakeCall([FINAL]))
@@ -277,7 +278,8 @@ def test_stats_are_recorded_in_the_bucket_of_the_load_they_met():
     router.meter.change("group:local", +3, time.monotonic())  # the three others, as _stream counts them
     assert post(router, BODY).status_code == 200
     assert post(router, auto).status_code == 200
-    assert router.tuning.records == [("1", "request"), ("1", "policy"), ("4-7", "request"), ("4-7", "policy")]
+    assert router.tuning.records == [("1", "policy"), ("4-7", "policy")]
+    assert router.teacher.excluded == {"caller_mode": 2}
 
 
 class SlowCall(FakeCall):

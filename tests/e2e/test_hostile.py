@@ -1,5 +1,5 @@
 """Hostile callers and a misbehaving Redis against the real cluster, each probe asserting the safe
-behaviour (issue 31, items 2, 3, 4, 6 and 8):
+behaviour (issue 31, items 2, 3, 4, 5, 6, 8 and 10):
 
 - gRPC messages past api.limits.grpc_max_message_bytes (8 MiB) get RESOURCE_EXHAUSTED at once;
 - GetTuning of an unknown model is NOT_FOUND, and many distinct (long) names grow no cache;
@@ -10,6 +10,11 @@ behaviour (issue 31, items 2, 3, 4, 6 and 8):
   the status page (clusters with a goodput-autoscaled pool);
 - Redis refusing every write (`maxmemory 1`) fails no request, and tuning writes land once it
   accepts them again;
+- a burst of requests that would poison the tuner (the caller's K on text that rejects, ignore_eos,
+  temperature 2.0, a caller's class the classifier disagrees with) leaves GetTuning's cells of the
+  class unchanged, while one ordinary request of the class moves them;
+- a request whose caller gives up (a gRPC deadline, Ray's `x-request-timeout-seconds` header) is
+  aborted in vLLM: the engine's unfinished count falls back at once, not when the text would end;
 - throughout, the router replica and the proxy stay within MEMORY_BOUND_MIB of resident memory
   growth (measured with psutil when the cluster runs on this machine).
 
@@ -248,3 +253,91 @@ def test_redis_out_of_memory_fails_no_request_and_writes_resume(cluster, stub):
     while time.monotonic() < deadline and not stub.GetTuning(pb.GetTuningRequest(model=MODEL), timeout=30).redis_ok:
         time.sleep(0.5)
     assert stub.GetTuning(pb.GetTuningRequest(model=MODEL), timeout=30).redis_ok
+
+
+# -- item 5: tuning poisoning through the front door --------------------------------------------------------
+
+TRANSLATION = "Translate German to English: Der Hund spielt im Garten mit dem Ball."
+CODE = "Write a Python function that reverses a list."
+
+
+def _class_cells(stub, wclass: str) -> dict[tuple[str, str], tuple[int, float]]:
+    """GetTuning's cells of `wclass`: (mode, load bucket) -> (samples, acceptance length)."""
+    out = stub.GetTuning(pb.GetTuningRequest(model=MODEL), timeout=30)
+    return {(e.mode, e.load_bucket): (e.samples, round(e.acceptance_length, 4)) for e in out.entries
+            if e.workload_class == wclass}
+
+
+def _hostile(url: str, body: dict) -> None:
+    r = httpx.post(f"{url}/v1/completions", timeout=300, json={"prompt": TRANSLATION, "max_tokens": 24, **body})
+    assert r.status_code == 200, r.text
+
+
+def test_a_poisoning_burst_leaves_the_class_cells_unchanged(cluster, stub):
+    url = cluster.http_url
+    _hostile(url, {})  # the class has cells (and this client's requests are flushed)
+    time.sleep(3)  # flushed (0.5 s) and read back (1 s) by the router
+    before = _class_cells(stub, "translation")
+    assert before, "an ordinary translation request made no cell"
+    for _ in range(6):
+        _hostile(url, {"specserve": {"speculative": {"mode": "ngram", "k": 6}}})  # the caller's K
+        _hostile(url, {"ignore_eos": True, "max_tokens": 64})  # past the end of the answer
+        _hostile(url, {"temperature": 2.0})  # hot sampling
+        _hostile(url, {"prompt": CODE, "specserve": {"workload_class": "translation"}})  # code filed as translation
+    time.sleep(3)
+    assert _class_cells(stub, "translation") == before
+    # The observable moves for ordinary traffic (within this client's budget: router.teaching).
+    _hostile(url, {})
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and _class_cells(stub, "translation") == before:
+        time.sleep(1)
+    after = _class_cells(stub, "translation")
+    assert sum(n for n, _ in after.values()) == sum(n for n, _ in before.values()) + 1, (before, after)
+
+
+# -- item 10: a caller's deadline aborts the request in vLLM -------------------------------------------------
+
+# Long text: greedy counting goes on for many hundreds of tokens (HTTP adds ignore_eos; gRPC has no
+# such field). K = 0 goes to the pool with the cheapest proposer, ngram here.
+LONG = {"prompt": "Count from 1 to 2000, separated by commas: 1, 2, 3,", "max_tokens": 1500,
+        "speculative": {"mode": "none"}}
+
+
+def _unfinished(url: str, pool: str = "ngram") -> float:
+    status = httpx.get(f"{url}/v1/specserve/status", timeout=30).json()
+    return float(status["pools"][pool]["engine"]["unfinished"])
+
+
+def _wait_idle(url: str, within_s: float) -> float:
+    """Seconds until the pool's engine has no unfinished request (fails after `within_s`)."""
+    t0 = time.monotonic()
+    while _unfinished(url) > 0:
+        assert time.monotonic() - t0 < within_s, f"engine still busy after {within_s} s: the request was not aborted"
+        time.sleep(0.25)
+    return time.monotonic() - t0
+
+
+def test_a_grpc_deadline_aborts_the_request_in_vllm(cluster, stub):
+    _wait_idle(cluster.http_url, 120)
+    req = pb.GenerateRequest(prompt=LONG["prompt"], speculative=pb.SpeculativeOverride(mode="none"),
+                             sampling=pb.SamplingParams(max_tokens=LONG["max_tokens"]))
+    for call in (lambda: stub.Generate(req, timeout=2), lambda: list(stub.GenerateStream(req, timeout=2))):
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - t0 < 10
+        # 1500 tokens take a minute or more on a CPU: an engine idle within seconds aborted it.
+        assert _wait_idle(cluster.http_url, 10) < 10
+
+
+def test_an_http_request_timeout_header_aborts_the_request_in_vllm(cluster):
+    _wait_idle(cluster.http_url, 120)
+    body = {"prompt": LONG["prompt"], "max_tokens": LONG["max_tokens"], "ignore_eos": True,
+            "specserve": {"speculative": LONG["speculative"]}}
+    t0 = time.monotonic()
+    r = httpx.post(f"{cluster.http_url}/v1/completions", json=body, timeout=60,
+                   headers={"x-request-timeout-seconds": "2"})  # Ray's proxy reads it (Ray Serve 2.60)
+    assert r.status_code == 408, r.text
+    assert time.monotonic() - t0 < 10
+    assert _wait_idle(cluster.http_url, 10) < 10

@@ -38,6 +38,7 @@ class ErrorCode(enum.Enum):
     INTERNAL = ("INTERNAL", 500, "internal_error")
     UNAVAILABLE = ("UNAVAILABLE", 503, "service_unavailable")
     DEADLINE_EXCEEDED = ("DEADLINE_EXCEEDED", 504, "timeout")
+    REQUEST_TIMEOUT = ("DEADLINE_EXCEEDED", 408, "timeout")  # HTTP only: the body did not arrive in time
 
     @property
     def grpc_name(self) -> str:

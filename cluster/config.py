@@ -328,12 +328,18 @@ class RouterConfig(_Strict):
     max_queued_requests: int = Field(
         512, ge=-1, description="Requests queued at the proxies for the router before they answer 503 (-1: no bound)."
     )
+    request_timeout_s: float = Field(
+        120.0, gt=0, description=(
+            "End-to-end bound of one request at the router, from its arrival (an HTTP body read included) to its "
+            "last output, across the retry: past it the request is aborted in vLLM and fails with "
+            "DEADLINE_EXCEEDED / HTTP 504 (a body not received by then: 408). Ray's proxies get it plus 10 s."))
     first_token_timeout_s: float = Field(
-        300.0, gt=0, description="A request whose engine gives no first output within this fails with UNAVAILABLE."
-    )
+        60.0, gt=0, description=(
+            "One engine call that gives no first output within this (queued, or the pool stalled) fails with "
+            "UNAVAILABLE; at most request_timeout_s."))
     stream_idle_timeout_s: float = Field(
-        60.0, gt=0, description="A stream that gets no output for this long fails with UNAVAILABLE."
-    )
+        60.0, gt=0, description="A stream that gets no output for this long fails with UNAVAILABLE; at most "
+                                "request_timeout_s.")
     teaching: TeachingConfig = Field(default_factory=TeachingConfig,
                                      description="What traffic teaches the tuner, and each client's weight.")
 
@@ -352,6 +358,15 @@ class RouterConfig(_Strict):
             if not 0 <= k <= 16:
                 raise ValueError(f"default_k[{mode}] must be in 0..16, got {k}")
         return v
+
+    @model_validator(mode="after")
+    def _waits_within_the_deadline(self) -> "RouterConfig":
+        for name in ("first_token_timeout_s", "stream_idle_timeout_s"):
+            if getattr(self, name) > self.request_timeout_s:
+                raise ValueError(f"router.{name} ({getattr(self, name):g} s) exceeds router.request_timeout_s "
+                                 f"({self.request_timeout_s:g} s), so it could never fire; lower it or raise "
+                                 "request_timeout_s")
+        return self
 
 
 class RedisConfig(_Strict):

@@ -23,6 +23,11 @@ from cluster.vllm_scheduler import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS_PATH, ST
 
 log = logging.getLogger("specserve.engine")
 
+# A call into the engine's workers (`collective_rpc`: pointing the remote proposer at a drafter,
+# reading its counters) waits at most this long; it runs between engine steps, so a stuck engine
+# core would otherwise hold every caller (the router's load poll asks four times a second).
+RPC_TIMEOUT_S = 10.0
+
 
 class EngineInputError(ValueError):
     """The engine refused the request's input (e.g. prompt plus max_tokens beyond the context)."""
@@ -275,7 +280,10 @@ class EngineServer:
             "max_k": self.pool.max_k,
         }
         if self.pool.method == SpecMode.REMOTE_DRAFT:
-            out["remote_drafter"] = await self.drafter_status()
+            try:
+                out["remote_drafter"] = await self.drafter_status()
+            except TimeoutError as e:  # the load report stays cheap and answers
+                out["remote_drafter"] = {"error": str(e)}
         return out
 
     # -- remote drafter (method remote_draft) ----------------------------------------------------
@@ -294,7 +302,7 @@ class EngineServer:
                 if status.get("endpoint") is None or status.get("breaker_open"):
                     endpoint = await asyncio.wait_for(self._drafter_endpoint(), timeout=10.0)
                     if endpoint != status.get("endpoint"):
-                        await self.engine.collective_rpc("specserve_set_drafter", args=(endpoint,))
+                        await self._rpc("specserve_set_drafter", endpoint)
                         log.info("pool %s: drafting remotely on %s (was %s: %s)", self.pool_name, endpoint,
                                  status.get("endpoint"), status.get("last_error"))
             except asyncio.CancelledError:
@@ -307,7 +315,15 @@ class EngineServer:
         """The remote proposer's counters and call-time quantiles (rtt, transport overhead)."""
         if self.pool.method != SpecMode.REMOTE_DRAFT:
             return {}
-        return (await self.engine.collective_rpc("specserve_drafter_status", args=(reset_samples,)))[0]
+        return (await self._rpc("specserve_drafter_status", reset_samples))[0]
+
+    async def _rpc(self, method: str, *args: Any) -> list[Any]:
+        """`AsyncLLM.collective_rpc` bounded by RPC_TIMEOUT_S, here and in vLLM's executor (TimeoutError naming it)."""
+        try:
+            return await asyncio.wait_for(self.engine.collective_rpc(method, timeout=RPC_TIMEOUT_S, args=args),
+                                          timeout=RPC_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"pool {self.pool_name}: engine call {method} took more than {RPC_TIMEOUT_S:g} s") from None
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve's custom autoscaling metrics of this replica (`cluster.autoscale.ReplicaMetrics`):

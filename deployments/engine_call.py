@@ -1,6 +1,6 @@
-"""One request's call to an engine pool, from the router: every wait bounded, one retry when a
-replica dies before any output, an unfinished call cancelled (which aborts it in vLLM), and Ray's
-and vLLM's failures mapped to typed API errors.
+"""One request's call to an engine pool, from the router: every wait bounded (`cluster.deadline`),
+one retry when a replica dies before any output, an unfinished call cancelled (which aborts it in
+vLLM), and Ray's and vLLM's failures mapped to typed API errors.
 
 The engine handle is injected (a Ray Serve DeploymentHandle, or a test double with its call shape:
 `handle.options(stream=True).generate.remote(req)` -> async iterator with cancel()).
@@ -10,39 +10,41 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, AsyncIterator
 
 from cluster.api import ApiError, ErrorCode
-from cluster.config import RouterConfig
+from cluster.deadline import RETRY_AFTER_S, Bounds, engine_wait, expired
 from cluster.decision import Decision
 from deployments.engine import EngineChunk, EngineRequest
 
 log = logging.getLogger("specserve.router")
 
-RETRY_AFTER_S = 1.0
 
-
-async def engine_chunks(handle: Any, r: RouterConfig, d: Decision, ereq: EngineRequest) -> AsyncIterator[EngineChunk]:
-    """The engine's chunks for one request, with every wait bounded: the first chunk within
-    router.first_token_timeout_s, each later one within router.stream_idle_timeout_s (else
-    UNAVAILABLE). A replica that dies before the first chunk is retried once on the pool (nothing
-    was delivered yet); after that the stream ends with UNAVAILABLE. An unfinished call is
-    cancelled, which aborts the request in vLLM and frees its KV cache."""
+async def engine_chunks(handle: Any, bounds: Bounds, deadline_s: float, d: Decision, ereq: EngineRequest,
+                        ) -> AsyncIterator[EngineChunk]:
+    """The engine's chunks for one request, with every wait bounded (`cluster.deadline`): the first
+    chunk within router.first_token_timeout_s, each later one within router.stream_idle_timeout_s
+    (else UNAVAILABLE), and all of it before `deadline_s` (monotonic; else DEADLINE_EXCEEDED). A
+    replica that dies before the first chunk is retried once on the pool (nothing was delivered
+    yet), within the same deadline; after that the stream ends with UNAVAILABLE. An unfinished
+    call is cancelled, which aborts the request in vLLM and frees its KV cache."""
     for attempt in (1, 2):
         gen = handle.options(stream=True).generate.remote(ereq)
         started = done = False
         try:
             while not done:
-                wait_s = r.stream_idle_timeout_s if started else r.first_token_timeout_s
+                wait_s, what = engine_wait(bounds, deadline_s, time.monotonic(), started)
                 try:
                     chunk = await asyncio.wait_for(gen.__anext__(), timeout=wait_s)
                 except StopAsyncIteration:
                     done = True
                     return
                 except asyncio.TimeoutError:
-                    raise ApiError(ErrorCode.UNAVAILABLE,
-                                   f"pool {d.pool!r} gave no output for {wait_s:.0f} s", retry_after_s=RETRY_AFTER_S
-                                   ) from None
+                    if what == "deadline":
+                        log.warning("request %s (pool %s) passed router.request_timeout_s (%g s); aborting it",
+                                    ereq.request_id, d.pool, bounds.request_s)
+                    raise expired(what, bounds, d.pool) from None
                 started = True
                 done = chunk.finish_reason is not None
                 yield chunk

@@ -22,6 +22,7 @@ from cluster.api import (ApiError, ErrorCode, GenerateRequest, body_too_large, c
                          from_openai)
 from cluster.auth import AUTH_ERROR_MESSAGE, ApiKeyStore, bearer_from_grpc, bearer_from_http
 from cluster.config import ClusterConfig
+from cluster.deadline import Bounds, body_expired
 from cluster.policy import class_model, load_bucket
 from cluster.teaching import Lesson, Teacher, client_id
 from cluster.routing import (Decision, LoadMeter, PoolView, cap_at_admission, decision_summary, growth_rule, load_domain, per_step_k, pool_load,
@@ -74,6 +75,11 @@ class Router:
         self.failures: collections.Counter = collections.Counter()  # what -> failures off the request path
         self.teacher = Teacher.from_config(config.router.teaching)  # what traffic teaches the tuner
         self._last_warn: dict[tuple[str, str], float] = {}  # (what, context) -> when last logged
+
+    @property
+    def bounds(self) -> Bounds:
+        """A request's deadline and engine waits, from the router config (`cluster.deadline`)."""
+        return Bounds.from_config(self.config.router)
 
     def _authenticate(self, header_value: Optional[str]) -> Optional[str]:
         """The valid key's label (None without keys); else UNAUTHENTICATED, with one message whatever was wrong."""
@@ -214,10 +220,12 @@ class Router:
         return cached[1]
 
     async def _stream(self, req: GenerateRequest, streamed: bool = True, client: str = "unknown",
-                      ) -> AsyncIterator[tuple[EngineChunk, Completion]]:
+                      deadline_s: Optional[float] = None) -> AsyncIterator[tuple[EngineChunk, Completion]]:
         """Yield (chunk, running completion) pairs; the last pair has the final stats. `client`:
-        who sent it (`cluster.teaching.client_id`)."""
+        who sent it (`cluster.teaching.client_id`); `deadline_s`: when it must be done (monotonic;
+        default router.request_timeout_s from now, `cluster.deadline`)."""
         t0 = time.perf_counter()
+        deadline_s = deadline_s if deadline_s is not None else self.bounds.deadline(time.monotonic())
         self._ensure_load_poll()
         model, d, ereq = self.plan(req, streamed)
         rid = ereq.request_id
@@ -228,7 +236,7 @@ class Router:
         mark = self.meter.mark(domain, time.monotonic())
         replica = ""
         try:
-            async with aclosing(engine_chunks(self.engines[d.pool], self.config.router, d, ereq)) as chunks:
+            async with aclosing(engine_chunks(self.engines[d.pool], self.bounds, deadline_s, d, ereq)) as chunks:
                 async for chunk in chunks:
                     now = time.perf_counter()
                     replica = chunk.replica or replica
@@ -300,9 +308,10 @@ class Router:
             log.warning("recording stats of %s (pool %s, mode %s, k %d) failed", comp.request_id, d.pool,
                         d.mode.value, d.k, exc_info=True)
 
-    async def complete(self, req: GenerateRequest, client: str = "unknown") -> Completion:
+    async def complete(self, req: GenerateRequest, client: str = "unknown", deadline_s: Optional[float] = None,
+                       ) -> Completion:
         comp = None
-        async with aclosing(self._stream(req, streamed=False, client=client)) as stream:
+        async with aclosing(self._stream(req, streamed=False, client=client, deadline_s=deadline_s)) as stream:
             async for _, comp in stream:
                 pass
         assert comp is not None
@@ -314,6 +323,7 @@ class Router:
         from starlette.responses import JSONResponse, StreamingResponse
 
         path = request.url.path.rstrip("/")
+        deadline_s = self.bounds.deadline(time.monotonic())  # the body's read counts against it
         try:
             client = client_id(self._authenticate(bearer_from_http(request.headers)), request.client)
             if path == "/v1/models" and request.method == "GET":
@@ -322,15 +332,15 @@ class Router:
                 chat = path.endswith("chat/completions")
                 check_json_content_type(request.headers.get("content-type"))
                 try:
-                    body = json.loads(await self._read_body(request))
+                    body = json.loads(await self._read_body(request, deadline_s))
                 except (ValueError, UnicodeDecodeError, RecursionError) as e:
                     raise ApiError(ErrorCode.INVALID_ARGUMENT, f"body: not valid JSON ({e})", field="body") from None
                 req = from_openai(body, chat=chat)
                 if req.stream:
-                    stream = self._sse(req, chat, client)
+                    stream = self._sse(req, chat, client, deadline_s)
                     first = await stream.__anext__()  # validation, routing and overload errors -> HTTP codes
                     return StreamingResponse(_prepend(first, stream), media_type="text/event-stream")
-                return JSONResponse(openai_response(await self.complete(req, client), chat))
+                return JSONResponse(openai_response(await self.complete(req, client, deadline_s), chat))
             if path == "/v1/specserve/status" and request.method == "GET":
                 return JSONResponse(await self.status())
             raise ApiError(ErrorCode.NOT_FOUND, f"no route {request.method} {path}", field="path")
@@ -340,9 +350,15 @@ class Router:
                 headers = {"WWW-Authenticate": 'Bearer realm="specserve"'}
             return JSONResponse(e.to_openai(), status_code=e.code.http_status, headers=headers)
 
-    async def _read_body(self, request) -> bytes:
+    async def _read_body(self, request, deadline_s: float) -> bytes:
         """The request's body, read up to api.limits.max_body_bytes: 413 from its Content-Length
-        before reading, or as soon as more than that arrived."""
+        before reading, or as soon as more than that arrived; 408 unless it is all there by `deadline_s`."""
+        try:
+            return await asyncio.wait_for(self._read_body_bounded(request), timeout=max(deadline_s - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
+            raise body_expired(self.bounds) from None
+
+    async def _read_body_bounded(self, request) -> bytes:
         limit = self.config.api.limits.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
@@ -355,12 +371,12 @@ class Router:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def _sse(self, req: GenerateRequest, chat: bool, client: str) -> AsyncIterator[str]:
+    async def _sse(self, req: GenerateRequest, chat: bool, client: str, deadline_s: float) -> AsyncIterator[str]:
         """SSE events. Errors before the first event propagate (so they become HTTP codes);
         later ones are sent as an error event, then [DONE]."""
         started = False
         try:
-            async with aclosing(self._stream(req, client=client)) as stream:
+            async with aclosing(self._stream(req, client=client, deadline_s=deadline_s)) as stream:
                 async for chunk, comp in stream:
                     final = comp if chunk.finish_reason is not None else None
                     yield openai_chunk(comp.request_id, comp.model, chat, chunk.text, chunk.token_ids, final)

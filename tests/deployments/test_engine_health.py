@@ -50,3 +50,30 @@ def test_stalled_engine_fails_the_health_check():
     s = server(FakeEngine(stall=True), health_probe_interval_s=0, health_probe_timeout_s=0.2)
     with pytest.raises(RuntimeError, match="stalled"):
         asyncio.run(s.check_health())
+
+
+class StuckRpcEngine(FakeEngine):
+    """An engine core that never answers a collective_rpc (busy or wedged between steps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.timeouts = []
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.timeouts.append(timeout)
+        await asyncio.sleep(3600)
+
+
+def test_collective_rpc_calls_are_bounded(monkeypatch):
+    import deployments.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "RPC_TIMEOUT_S", 0.2)
+    engine = StuckRpcEngine()
+    s = EngineServer("remote", POOL.model_copy(update={"method": "remote_draft", "max_k": 3}), "/m", None, "m",
+                     engine=engine)
+    with pytest.raises(TimeoutError, match="specserve_drafter_status took more than 0.2 s"):
+        asyncio.run(s.drafter_status())
+    assert engine.timeouts == [0.2]  # vLLM's executor gets the bound too
+    # The load report, which the router polls four times a second, still answers, naming the failure.
+    load = asyncio.run(asyncio.wait_for(s.load(), timeout=5))
+    assert load["unfinished"] == 1 and "took more than" in load["remote_drafter"]["error"]

@@ -2,8 +2,8 @@
 
 It serves both front doors from one class: HTTP (OpenAI-compatible, through `__call__`) and gRPC
 (`specserve.v1.SpecServe` and `grpc.health.v1.Health` methods, called by Ray Serve's gRPC proxy by
-method name). Dependencies (engine handles, tuning store, classifier) are injected through
-`__init__`, so tests can build a Router without Ray. The decision itself is `cluster.routing.route`;
+method name, from the `deployments.router_grpc.GrpcDoor` mixin). Dependencies (engine handles,
+tuning store, classifier) are injected through `__init__`, so tests can build a Router without Ray. The decision itself is `cluster.routing.route`;
 the call to the engine pool, with its bounded waits, is `deployments.engine_call`.
 """
 
@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from cluster.api import (ApiError, ErrorCode, GenerateRequest, body_too_large, check_json_content_type, check_prompt_size,
                          from_openai)
-from cluster.auth import AUTH_ERROR_MESSAGE, ApiKeyStore, bearer_from_grpc, bearer_from_http
+from cluster.auth import AUTH_ERROR_MESSAGE, ApiKeyStore, bearer_from_http
 from cluster.config import ClusterConfig
 from cluster.deadline import Bounds, body_expired
 from cluster.policy import class_model, load_bucket
@@ -29,6 +29,7 @@ from cluster.routing import (Decision, LoadMeter, PoolView, cap_at_admission, de
                              pool_views, resolve_model, route, with_load)
 from cluster.wire import Completion, openai_chunk, openai_error_event, openai_response
 from deployments.engine import EngineChunk, EngineRequest
+from deployments.router_grpc import GrpcDoor
 from deployments.engine_call import RETRY_AFTER_S, engine_chunks, map_error
 
 log = logging.getLogger("specserve.router")
@@ -43,7 +44,7 @@ def _default_classifier(prompt: Optional[str], messages: Optional[list[dict]]) -
     return "chat"
 
 
-class Router:
+class Router(GrpcDoor):
     def __init__(
         self,
         config: ClusterConfig,
@@ -87,14 +88,6 @@ class Router:
         if self.auth is not None and label is None:
             raise ApiError(ErrorCode.UNAUTHENTICATED, AUTH_ERROR_MESSAGE)
         return label
-
-    def _authenticate_grpc(self, ctx: Any) -> str:
-        """The caller's `client_id` (its key's label, else its peer), or UNAUTHENTICATED."""
-        try:
-            label = self._authenticate(bearer_from_grpc(ctx))
-        except ApiError as e:
-            raise self._grpc_fail(ctx, e) from None
-        return client_id(label, ctx.peer() if hasattr(ctx, "peer") else None)
 
     # -- the decision ----------------------------------------------------------------------------
 
@@ -386,126 +379,6 @@ class Router:
                 raise
             yield openai_error_event(e)
         yield "data: [DONE]\n\n"
-
-    # -- gRPC (specserve.v1.SpecServe and grpc.health.v1.Health, dispatched by method name) -------
-
-    @staticmethod
-    def _grpc_fail(ctx: Any, e: ApiError) -> ApiError:
-        if ctx is not None:
-            import grpc
-
-            ctx.set_code(getattr(grpc.StatusCode, e.code.grpc_name))
-            ctx.set_details(e.message)
-            if e.retry_after_s:
-                ctx.set_trailing_metadata([("retry-after-s", str(e.retry_after_s))])
-        return e
-
-    def _decoded(self, request: Any, ctx: Any) -> Any:
-        from cluster.grpc_ingress import Undecodable
-
-        if isinstance(request, Undecodable):
-            raise self._grpc_fail(ctx, ApiError(ErrorCode.INVALID_ARGUMENT,
-                                                f"request: not a valid message for {request.method} ({request.reason})",
-                                                field="request"))
-        return request
-
-    async def Generate(self, request, grpc_context=None):
-        client = self._authenticate_grpc(grpc_context)
-        request = self._decoded(request, grpc_context)
-        from specserve.v1 import specserve_pb2 as pb
-        from cluster.wire import from_proto, generate_response_proto
-
-        try:
-            return generate_response_proto(pb, await self.complete(from_proto(request), client))
-        except ApiError as e:
-            raise self._grpc_fail(grpc_context, e) from None
-
-    async def GenerateStream(self, request, grpc_context=None):
-        client = self._authenticate_grpc(grpc_context)
-        request = self._decoded(request, grpc_context)
-        from specserve.v1 import specserve_pb2 as pb
-        from cluster.wire import from_proto, spec_stats_proto, timing_proto
-
-        try:
-            async with aclosing(self._stream(from_proto(request), client=client)) as stream:
-                async for chunk, comp in stream:
-                    msg = pb.GenerateStreamResponse(request_id=comp.request_id, text=chunk.text,
-                                                    token_ids=chunk.token_ids)
-                    if chunk.finish_reason is not None:
-                        msg.finish_reason = comp.finish_reason or ""
-                        msg.prompt_tokens = comp.prompt_tokens
-                        msg.completion_tokens = comp.completion_tokens
-                        msg.timing.CopyFrom(timing_proto(pb, comp))
-                        msg.spec.CopyFrom(spec_stats_proto(pb, comp))
-                    yield msg
-        except ApiError as e:
-            raise self._grpc_fail(grpc_context, e) from None
-
-    async def ListModels(self, request, grpc_context=None):
-        self._authenticate_grpc(grpc_context)
-        self._decoded(request, grpc_context)
-        from specserve.v1 import specserve_pb2 as pb
-
-        out = pb.ListModelsResponse()
-        for m in self.models_json()["data"]:
-            info = out.models.add(name=m["id"])
-            for p in m["specserve"]["pools"]:
-                info.pools.add(name=p["name"], method=p["method"], max_k=p["max_k"], modes=p["modes"])
-        return out
-
-    async def GetTuning(self, request, grpc_context=None):
-        """The tuning table of one served model (or of all): from the view the tuning store's
-        thread keeps, so no Redis I/O runs on the event loop. An unknown model is NOT_FOUND."""
-        self._authenticate_grpc(grpc_context)
-        request = self._decoded(request, grpc_context)
-        from specserve.v1 import specserve_pb2 as pb
-
-        try:
-            if request.model and request.model not in self.served:
-                raise ApiError(ErrorCode.NOT_FOUND, f"model: {request.model[:64]!r} is not served; served models: "
-                                                    f"{self.served}", field="model")
-            out = pb.GetTuningResponse(redis_ok=bool(self.tuning is not None and getattr(self.tuning, "healthy", False)))
-            if self.tuning is not None and hasattr(self.tuning, "table"):
-                fields = pb.TuningEntry.DESCRIPTOR.fields_by_name
-                for m in [request.model] if request.model else self.served:
-                    for row in self.tuning.table(m, fresh=False):
-                        out.entries.add(**{k: v for k, v in row.items() if k in fields})
-            return out
-        except ApiError as e:
-            raise self._grpc_fail(grpc_context, e) from None
-        except Exception as e:  # noqa: BLE001 - logged with context and counted; the caller gets INTERNAL
-            self._failed("get_tuning", e, f"model {request.model[:64]!r}")
-            raise self._grpc_fail(grpc_context, ApiError(
-                ErrorCode.INTERNAL, f"tuning table unavailable ({type(e).__name__})")) from None
-
-    def _health_status(self, service: str) -> int:
-        from grpc_health.v1 import health_pb2
-
-        if service not in ("", "specserve.v1.SpecServe"):
-            return -1
-        return health_pb2.HealthCheckResponse.SERVING if self.engines else health_pb2.HealthCheckResponse.NOT_SERVING
-
-    async def Check(self, request, grpc_context=None):
-        if not self.health_open:
-            self._authenticate_grpc(grpc_context)
-        request = self._decoded(request, grpc_context)
-        from grpc_health.v1 import health_pb2
-
-        status = self._health_status(request.service)
-        if status < 0:
-            raise self._grpc_fail(grpc_context, ApiError(ErrorCode.NOT_FOUND, f"unknown service {request.service!r}",
-                                                         field="service"))
-        return health_pb2.HealthCheckResponse(status=status)
-
-    async def Watch(self, request, grpc_context=None):
-        if not self.health_open:
-            self._authenticate_grpc(grpc_context)
-        request = self._decoded(request, grpc_context)
-        from grpc_health.v1 import health_pb2
-
-        status = self._health_status(request.service)
-        yield health_pb2.HealthCheckResponse(
-            status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN if status < 0 else status)
 
     def models_json(self) -> dict[str, Any]:
         data = []

@@ -3,7 +3,8 @@ agent on `ray.metrics_export_port`, scraped like the rest of Ray Serve's metrics
 
 Per workload class and mode: requests, drafted and accepted tokens, acceptance length, chosen K,
 and decisions made on defaults because the tuning state was unavailable; failed Redis calls of the
-tuning state, and failures of the router's background work and of GetTuning. No prompt or completion
+tuning state, finished requests kept out of it by reason (`cluster/teaching.py`), and failures of
+the router's background work and of GetTuning. No prompt or completion
 text, and no caller-chosen name, ever reaches a label.
 """
 

@@ -311,6 +311,18 @@ class TeachingConfig(_Strict):
             "Requests per second, on average, one client (its API key, else its peer address) may teach the "
             "tuner, per router replica; past it they are served but not learned from. 0: no bound."))
     client_burst: int = Field(240, ge=1, description="Requests one client may teach at once (its bucket's size).")
+    trusted_clients: list[str] = Field(
+        default_factory=list, description=(
+            "Clients whose named K or class hint teaches, unbudgeted (calibration, benchmarks): 'key:<label>' "
+            "of an API key, or 'peer:<address>' (e.g. 'peer:127.0.0.1' on a local cluster without keys)."))
+
+    @field_validator("trusted_clients")
+    @classmethod
+    def _trusted(cls, v: list[str]) -> list[str]:
+        for c in v:
+            if not c.startswith(("key:", "peer:")) or len(c) <= 5:
+                raise ValueError(f"trusted_clients: {c[:80]!r} must be 'key:<label>' or 'peer:<address>'")
+        return v
 
 
 class RouterConfig(_Strict):

@@ -8,8 +8,10 @@ is *excluded*, for the first reason of `EXCLUSION_REASONS` that applies (counted
 keys are on, else its peer address as the front door saw it (`client_id`).
 
 Why each rule (a caller can set each of these on every request):
-- `caller_mode`: a K or mode the caller named (`decided_by == "request"`) measures the caller's
-  choice; K = 6 on prompts that reject files six rejected drafts per step under the class.
+- `caller_mode`: a K the caller named (`decided_by == "request"`, K > 0) measures the caller's
+  choice; K = 6 on prompts that reject files six rejected drafts per step under the class. A
+  caller's plain decoding (K = 0) teaches: it drafts nothing, so it measures only the plain step
+  time at the load it met.
 - `caller_class`: a `workload_class` hint the classifier disagrees with would file one class's
   acceptance under another. A hint the classifier agrees with teaches: it changes nothing.
 - `ignore_eos`: text generated past the end of the answer loops and repeats, which n-gram drafts
@@ -18,13 +20,16 @@ Why each rule (a caller can set each of these on every request):
   greedy and moderate sampling are the traffic the cells describe.
 - `client_budget`: past its token bucket (`ClientBudget`), a client's requests are served but
   teach nothing, so one key or address cannot outweigh the rest by volume alone.
+
+A *trusted* client (router.teaching.trusted_clients, e.g. a calibration or benchmark key) is exempt
+from `caller_mode`, `caller_class` and its budget, not from the rules about the text it makes.
 """
 
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 EXCLUSION_REASONS = ("caller_mode", "caller_class", "ignore_eos", "temperature", "client_budget")
 MAX_CLIENTS = 1024  # buckets kept per router replica; clients beyond share one (`ClientBudget`)
@@ -37,6 +42,7 @@ class Lesson:
     """What the rule reads of one finished request."""
 
     decided_by: str  # Decision.decided_by: "policy", "default" (the configured mode) or "request"
+    k: int  # the decision's K (0: plain decoding)
     classified: str  # the workload class the router's classifier gave the prompt
     class_hint: Optional[str]  # the caller's workload_class, if it sent one
     temperature: float
@@ -46,25 +52,30 @@ class Lesson:
     def of(cls, req: Any, decision: Any) -> "Lesson":
         """From a GenerateRequest and the router's Decision (whose detail holds `classified`)."""
         detail = decision.detail or {}
-        return cls(decided_by=decision.decided_by, classified=detail.get("classified", decision.workload_class),
+        return cls(decided_by=decision.decided_by, k=int(decision.k),
+                   classified=detail.get("classified", decision.workload_class),
                    class_hint=req.workload_class, temperature=float(req.temperature), ignore_eos=bool(req.ignore_eos))
 
 
-def teaches_tuner(lesson: Lesson, max_temperature: float) -> Optional[str]:
+def teaches_tuner(lesson: Lesson, max_temperature: float, trusted: bool = False) -> Optional[str]:
     """None when the request may teach the tuner, else the first reason of EXCLUSION_REASONS that
-    excludes it (the budget is `ClientBudget`'s, applied after this).
+    excludes it (the budget is `ClientBudget`'s, applied after this). `trusted`: its client is
+    exempt from the caller_mode and caller_class rules.
 
-    >>> ok = Lesson("policy", "code", None, 0.0, False)
+    >>> ok = Lesson("policy", 3, "code", None, 0.0, False)
     >>> teaches_tuner(ok, 1.0) is None
     True
     >>> from dataclasses import replace
     >>> [teaches_tuner(replace(ok, **c), 1.0) for c in ({"decided_by": "request"}, {"class_hint": "translation"},
-    ...  {"class_hint": "code"}, {"ignore_eos": True}, {"temperature": 1.5}, {"decided_by": "default"})]
-    ['caller_mode', 'caller_class', None, 'ignore_eos', 'temperature', None]
+    ...  {"class_hint": "code"}, {"ignore_eos": True}, {"temperature": 1.5}, {"decided_by": "default"},
+    ...  {"decided_by": "request", "k": 0})]
+    ['caller_mode', 'caller_class', None, 'ignore_eos', 'temperature', None, None]
+    >>> teaches_tuner(replace(ok, decided_by="request", class_hint="qa"), 1.0, trusted=True) is None
+    True
     """
-    if lesson.decided_by == "request":
+    if not trusted and lesson.decided_by == "request" and lesson.k > 0:
         return "caller_mode"
-    if lesson.class_hint is not None and lesson.class_hint != lesson.classified:
+    if not trusted and lesson.class_hint is not None and lesson.class_hint != lesson.classified:
         return "caller_class"
     if lesson.ignore_eos:
         return "ignore_eos"
@@ -148,20 +159,23 @@ class Teacher:
     """The rule and the budget together, with counts of what was excluded and why."""
 
     def __init__(self, max_temperature: float, client_rate_per_s: float, client_burst: int,
-                 max_clients: int = MAX_CLIENTS):
+                 trusted_clients: Iterable[str] = (), max_clients: int = MAX_CLIENTS):
         self.max_temperature = max_temperature
+        self.trusted = frozenset(trusted_clients)  # client ids (`client_id`) exempt from the caller rules
         self.budget = ClientBudget(client_rate_per_s, client_burst, max_clients)
         self.excluded: collections.Counter = collections.Counter()  # reason -> requests
 
     @classmethod
     def from_config(cls, teaching: Any) -> "Teacher":
         """From a `TeachingConfig` (router.teaching)."""
-        return cls(teaching.max_temperature, teaching.client_rate_per_s, teaching.client_burst)
+        return cls(teaching.max_temperature, teaching.client_rate_per_s, teaching.client_burst,
+                   teaching.trusted_clients)
 
     def exclusion(self, lesson: Lesson, client: str, now: float) -> Optional[str]:
         """None when the request teaches (a token of its client spent), else why not (counted)."""
-        why = teaches_tuner(lesson, self.max_temperature)
-        if why is None and not self.budget.take(client, now):
+        trusted = client in self.trusted
+        why = teaches_tuner(lesson, self.max_temperature, trusted)
+        if why is None and not trusted and not self.budget.take(client, now):
             why = "client_budget"
         if why is not None:
             self.excluded[why] += 1

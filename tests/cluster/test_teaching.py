@@ -14,7 +14,7 @@ from cluster.speculation import WORKLOAD_CLASSES, SpecMode
 from cluster.teaching import (EXCLUSION_REASONS, MAX_CLIENTS, OTHERS, ClientBudget, Lesson, Teacher, client_id,
                               teaches_tuner)
 
-OK = Lesson(decided_by="policy", classified="code", class_hint=None, temperature=0.0, ignore_eos=False)
+OK = Lesson(decided_by="policy", k=3, classified="code", class_hint=None, temperature=0.0, ignore_eos=False)
 
 
 # -- the rule ------------------------------------------------------------------------------------------
@@ -24,8 +24,22 @@ def test_router_decided_greedy_unhinted_traffic_teaches():
         assert teaches_tuner(replace(OK, decided_by=decided_by, temperature=t), 1.0) is None
 
 
-def test_a_mode_or_k_the_caller_chose_teaches_nothing():
-    assert teaches_tuner(replace(OK, decided_by="request"), 1.0) == "caller_mode"
+@pytest.mark.parametrize("k", [1, 2, 3, 6, 16])
+def test_a_k_the_caller_chose_teaches_nothing(k):
+    assert teaches_tuner(replace(OK, decided_by="request", k=k), 1.0) == "caller_mode"
+
+
+def test_a_callers_plain_decoding_teaches_it_drafts_nothing():
+    assert teaches_tuner(replace(OK, decided_by="request", k=0), 1.0) is None
+    # ... but not past the other rules
+    assert teaches_tuner(replace(OK, decided_by="request", k=0, ignore_eos=True), 1.0) == "ignore_eos"
+
+
+def test_a_trusted_client_is_exempt_from_the_caller_rules_only():
+    named = replace(OK, decided_by="request", k=6, class_hint="translation")
+    assert teaches_tuner(named, 1.0, trusted=True) is None
+    assert teaches_tuner(replace(named, ignore_eos=True), 1.0, trusted=True) == "ignore_eos"
+    assert teaches_tuner(replace(named, temperature=1.5), 1.0, trusted=True) == "temperature"
 
 
 @pytest.mark.parametrize("hint", WORKLOAD_CLASSES)
@@ -46,7 +60,7 @@ def test_ignore_eos_teaches_nothing():
 
 
 def test_the_first_reason_in_order_is_reported():
-    worst = Lesson("request", "code", "translation", 2.0, True)
+    worst = Lesson("request", 6, "code", "translation", 2.0, True)
     assert teaches_tuner(worst, 1.0) == "caller_mode"
     assert teaches_tuner(replace(worst, decided_by="policy"), 1.0) == "caller_class"
     assert teaches_tuner(replace(worst, decided_by="policy", class_hint=None), 1.0) == "ignore_eos"
@@ -57,7 +71,7 @@ def test_every_reason_is_named_in_exclusion_reasons():
     seen = set()
     for decided_by, hint, t, eos in itertools.product(("policy", "request"), (None, "code", "qa"), (0.0, 2.0),
                                                       (False, True)):
-        why = teaches_tuner(Lesson(decided_by, "code", hint, t, eos), 1.0)
+        why = teaches_tuner(Lesson(decided_by, 3, "code", hint, t, eos), 1.0)
         if why is not None:
             seen.add(why)
     assert seen | {"client_budget"} == set(EXCLUSION_REASONS)
@@ -66,7 +80,7 @@ def test_every_reason_is_named_in_exclusion_reasons():
 def test_lesson_of_a_request_and_its_decision():
     req = GenerateRequest(prompt="x", workload_class="qa", temperature=0.7, ignore_eos=True)
     d = Decision("ngram", SpecMode.NGRAM, 3, "policy", "qa", detail={"classified": "chat"})
-    assert Lesson.of(req, d) == Lesson("policy", "chat", "qa", 0.7, True)
+    assert Lesson.of(req, d) == Lesson("policy", 3, "chat", "qa", 0.7, True)
     # A decision without the classifier's class (built elsewhere) falls back to its own class.
     assert Lesson.of(GenerateRequest(prompt="x"), Decision("ngram", SpecMode.NONE, 0, "request", "rag")).classified == "rag"
 
@@ -161,12 +175,23 @@ def test_teacher_from_the_router_config():
     assert all(t.exclusion(OK, "c", 0.0) is None for _ in range(50))  # rate 0: no budget
 
 
+def test_trusted_clients_teach_their_named_k_unbudgeted():
+    cfg = RouterConfig(teaching={"client_rate_per_s": 1, "client_burst": 1, "trusted_clients": ["key:bench"]})
+    t = Teacher.from_config(cfg.teaching)
+    named = replace(OK, decided_by="request", k=6)
+    assert all(t.exclusion(named, "key:bench", 0.0) is None for _ in range(20))
+    assert t.exclusion(named, "key:other", 0.0) == "caller_mode"
+    assert [t.exclusion(OK, "key:other", 0.0) for _ in range(2)] == [None, "client_budget"]
+
+
 def test_router_config_defaults_and_bad_values_name_the_field():
     from pydantic import ValidationError
 
     d = RouterConfig().teaching
     assert (d.max_temperature, d.client_rate_per_s, d.client_burst) == (1.0, 4.0, 240)
-    for bad in ({"max_temperature": -0.1}, {"client_rate_per_s": -1}, {"client_burst": 0}, {"nope": 1}):
+    assert d.trusted_clients == []
+    for bad in ({"max_temperature": -0.1}, {"client_rate_per_s": -1}, {"client_burst": 0}, {"nope": 1},
+                {"trusted_clients": ["127.0.0.1"]}, {"trusted_clients": ["key:"]}):
         with pytest.raises(ValidationError) as e:
             RouterConfig(teaching=bad)
         assert next(iter(bad)) in str(e.value)

@@ -215,3 +215,35 @@ def test_grpc_clients_are_told_apart_by_peer():
             return []
     assert router._authenticate_grpc(Ctx()) == client_id(None, "ipv4:10.1.2.3:1") == "peer:10.1.2.3"
     assert router._authenticate_grpc(None) == "unknown"
+
+
+class _Recorded:
+    """A tuning store double that remembers the (mode, K) of what it was asked to record."""
+
+    healthy = True
+
+    def __init__(self):
+        self.records = []
+
+    def snapshot(self, model):
+        from cluster.policy import TuningView
+        return TuningView(model=model)
+
+    def note_decision(self, *a):
+        pass
+
+    def record_completion(self, model, d, comp):
+        self.records.append((d.mode.value, d.k))
+
+
+def test_plain_decoding_the_caller_chose_teaches_and_a_trusted_client_teaches_its_k():
+    store = _Recorded()
+    router = _router(store, {"accept": 0.5})
+    _post(router, _body("code", specserve={"speculative": {"mode": "none"}}))
+    _post(router, _body("code", specserve={"speculative": {"mode": "ngram", "k": 4}}))
+    assert store.records == [("none", 0)] and router.teacher.excluded == {"caller_mode": 1}
+    router.config.router.teaching.trusted_clients = ["peer:10.0.0.9"]
+    router.teacher = Teacher.from_config(router.config.router.teaching)
+    _post(router, _body("code", specserve={"speculative": {"mode": "ngram", "k": 4}}))
+    _post(router, _body("code", specserve={"speculative": {"mode": "ngram", "k": 4}}), client=("10.0.0.10", 1))
+    assert store.records == [("none", 0), ("ngram", 4)] and router.teacher.excluded == {"caller_mode": 1}

@@ -341,3 +341,34 @@ def test_an_http_request_timeout_header_aborts_the_request_in_vllm(cluster):
     assert r.status_code == 408, r.text
     assert time.monotonic() - t0 < 10
     assert _wait_idle(cluster.http_url, 10) < 10
+
+
+def test_requests_past_the_routers_deadline_are_504_and_aborted(cluster):
+    """Sixteen 1900-token streams on the CPU take minutes; each is cut at router.request_timeout_s
+    with 504 naming it, and the engine is idle soon after. (Hardware that finishes them in time
+    cannot show this: skipped.)"""
+    import asyncio
+
+    limit_s = parse_config(cluster.raw).router.request_timeout_s
+    _wait_idle(cluster.http_url, 120)
+    body = {"prompt": LONG["prompt"], "max_tokens": 1900, "ignore_eos": True,
+            "specserve": {"speculative": LONG["speculative"]}}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=limit_s + 60) as client:
+            async def one():
+                r = await client.post(f"{cluster.http_url}/v1/completions", json=body)
+                return r, time.monotonic()
+            return await asyncio.gather(*[one() for _ in range(16)])
+
+    t0 = time.monotonic()
+    results = asyncio.run(run())
+    cut = [(r, t - t0) for r, t in results if r.status_code == 504]
+    assert all(r.status_code in (200, 504) for r, _ in results), [r.text[:200] for r, _ in results]
+    if not cut:
+        pytest.skip(f"every 1900-token request finished within {limit_s:g} s here")
+    for r, dt in cut:
+        err = r.json()["error"]
+        assert err["code"] == "deadline_exceeded" and "router.request_timeout_s" in err["message"], err
+        assert limit_s - 1 <= dt <= limit_s + 15, dt
+    assert _wait_idle(cluster.http_url, 15) < 15

@@ -1,15 +1,14 @@
 """Kubernetes (KubeRay) manifests rendered from a cluster config: one source of truth.
 
 Contract: an overlay directory `k8s/overlays/<name>/` holds `render.yaml` (Kubernetes-only facts:
-image, node groups, pod sizes; `RenderSettings` below) naming a cluster config file (the same
-YAML `specserve up` reads). `render()` turns the two into the overlay's `generated.yaml`: a KubeRay
+image, node groups, pod sizes; `RenderSettings` in cluster/render_settings.py) naming a cluster
+config file (the same YAML `specserve up` reads). `render()` turns the two into the overlay's `generated.yaml`: a KubeRay
 RayService whose `serveConfigV2` embeds that cluster config for `deployments.app:build_app`, one
 PodDisruptionBudget per worker group, the headless gRPC Service and the Ray pods' NetworkPolicy.
-`build()` is the subset of `kustomize build` the overlays use (resources, namespace, labels,
-images, strategic-merge patches); `kubectl kustomize` gives the same objects.
+`main` also writes each overlay's `kustomize build` (cluster/kustomize.py) to k8s/rendered/.
 
-Decisions (what fits where, what a cluster config must say on Kubernetes) are pure functions over
-plain data with dense tests; only `main` reads and writes files.
+Decisions (what fits where, what a cluster config must say on Kubernetes: cluster/render_settings.py)
+are pure functions over plain data with dense tests; only `main` reads and writes files.
 """
 
 from __future__ import annotations
@@ -19,96 +18,25 @@ import copy
 import json
 import sys
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 from urllib.parse import urlparse
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cluster.config import ClusterConfig, ConfigError, parse_config
+from cluster.kustomize import build
 from cluster.placement import (
     GRPC_SERVICER_FUNCTIONS, drafter_deployment_options, engine_deployment_options, router_deployment_options,
     ray_node_env, used_drafters,
+)
+from cluster.render_settings import (  # noqa: F401  (the overlay settings and checks are part of this interface)
+    NodeGroup, RenderSettings, k8s_config_errors, load_settings, placement_errors,
 )
 
 IMPORT_PATH = "deployments.app:build_app"
 RUN_AS_UID = 1000  # the `specserve` user of k8s/docker/Dockerfile.{cpu,gpu}
 GENERATED = "generated.yaml"
 Obj = dict[str, Any]
-
-
-# -- settings of one overlay (render.yaml) ------------------------------------------------------------
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class NodeGroup(_Strict):
-    """One kind of Ray pod: its size and where Kubernetes may place it."""
-
-    cpu: float = Field(gt=0, description="CPU cores requested (= limit) per pod.")
-    memory_gib: float = Field(gt=0, description="Memory requested (= limit) per pod, GiB.")
-    gpus: int = Field(0, ge=0, description="nvidia.com/gpu per pod; Ray advertises the same number of GPU.")
-    ray_cpus: Optional[int] = Field(None, ge=0, description="CPU Ray advertises (None: the pod's whole cores).")
-    custom_resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="Ray custom resources the pod advertises; pool bundles naming them land only here.",
-    )
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Kubernetes nodeSelector.")
-    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Kubernetes tolerations.")
-    shm_gib: float = Field(1.0, gt=0, description="Size of /dev/shm (object store, NCCL), GiB.")
-    cache_gib: float = Field(20.0, gt=0, description="emptyDir for model weights and compile caches, GiB.")
-
-    def ray_resources(self) -> dict[str, float]:
-        res: dict[str, float] = {"CPU": float(self.ray_cpus if self.ray_cpus is not None else int(self.cpu))}
-        if self.gpus:
-            res["GPU"] = float(self.gpus)
-        res.update(self.custom_resources)
-        return res
-
-
-class WorkerGroup(NodeGroup):
-    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description="KubeRay groupName.")
-    min_replicas: int = Field(0, ge=0, description="Pods the KubeRay autoscaler keeps at least.")
-    max_replicas: int = Field(1, ge=1, description="Pods the KubeRay autoscaler may start at most.")
-    replicas: Optional[int] = Field(None, ge=0, description="Pods at creation (default min_replicas).")
-    idle_timeout_s: Optional[int] = Field(None, ge=0, description="Idle pods are removed after this.")
-
-
-class RenderSettings(_Strict):
-    cluster_config: str = Field(description="Cluster config file, relative to the overlay directory.")
-    config_overrides: dict[str, Any] = Field(
-        default_factory=dict, description="Deep-merged into the cluster config before it is embedded."
-    )
-    name: str = Field("specserve", description="Name of the RayService and prefix of generated objects.")
-    image: str = Field(description="Ray image (k8s/docker/Dockerfile.*); kustomize `images` may rewrite it.")
-    ray_version: str = Field("2.60.0", description="Ray version inside the image (KubeRay needs it).")
-    env: dict[str, str] = Field(default_factory=dict, description="Environment of every Ray container.")
-    head: NodeGroup = Field(description="The head pod (GCS, dashboard, router replicas, autoscaler).")
-    worker_groups: list[WorkerGroup] = Field(min_length=1, description="Worker pod groups (engines).")
-    redis_secret: str = Field("specserve-redis", description="Secret with `password` (and optional `url`).")
-    hf_secret: str = Field("specserve-hf", description="Optional Secret with `token` (HF_TOKEN, gated models).")
-    gcs_fault_tolerance: bool = Field(True, description="Ray GCS fault tolerance on the config's Redis.")
-    autoscaler_idle_timeout_s: int = Field(300, ge=0, description="KubeRay autoscaler: idle pod lifetime.")
-    upscaling_mode: Literal["Default", "Aggressive", "Conservative"] = Field("Default")
-    graceful_shutdown_timeout_s: float = Field(
-        120.0, gt=0, description="Serve lets a stopping engine replica finish requests this long."
-    )
-    termination_grace_s: int = Field(180, ge=0, description="Pod terminationGracePeriodSeconds.")
-    cluster_deletion_delay_s: int = Field(60, ge=0, description="Old RayCluster lives this long after a switch.")
-    operator_namespace: str = Field("kuberay-system", description="Namespace of the KubeRay operator (NetworkPolicy).")
-
-
-def load_settings(overlay_dir: Path) -> RenderSettings:
-    path = overlay_dir / "render.yaml"
-    try:
-        return RenderSettings.model_validate(yaml.safe_load(path.read_text()))
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except ValidationError as e:
-        lines = [f"  {'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]
-        raise ConfigError(f"{path}: invalid render settings:\n" + "\n".join(lines)) from None
 
 
 # -- the cluster config as Kubernetes sees it ---------------------------------------------------------
@@ -128,95 +56,6 @@ def effective_config(raw: dict[str, Any], overrides: dict[str, Any], origin: str
     """The raw cluster config with the overlay's overrides, and its validated model."""
     merged = deep_merge(raw, overrides)
     return merged, parse_config(merged, origin=origin)
-
-
-def k8s_config_errors(cfg: ClusterConfig) -> list[str]:
-    """What a cluster config must say to run on Kubernetes (empty list: fine)."""
-    errors = []
-    if cfg.api.host != "0.0.0.0":
-        errors.append(f"api.host must be 0.0.0.0 on Kubernetes (pods are reached by IP), got {cfg.api.host!r}")
-    if cfg.redis.start_local:
-        errors.append("redis.start_local must be false on Kubernetes (Redis is a StatefulSet or external)")
-    host = urlparse(cfg.redis.url).hostname or ""
-    if host in ("127.0.0.1", "localhost", "::1", ""):
-        errors.append(f"redis.url must name a Service or external host, got {cfg.redis.url!r}")
-    return errors
-
-
-def _fits(need: dict[str, float], have: dict[str, float]) -> bool:
-    return all(have.get(r, 0.0) >= amount for r, amount in need.items() if amount > 0)
-
-
-def _sum(bundles: list[dict[str, float]]) -> dict[str, float]:
-    total: dict[str, float] = {}
-    for b in bundles:
-        for r, amount in b.items():
-            total[r] = total.get(r, 0.0) + amount
-    return total
-
-
-def placement_errors(cfg: ClusterConfig, settings: RenderSettings) -> list[str]:
-    """Do the pools' placement-group bundles fit the node groups, and does their TP match the GPUs?
-
-    STRICT_PACK puts a replica's bundles on one pod, so their sum must fit one pod; the other
-    strategies may spread them, so each bundle must fit some pod (STRICT_SPREAD: distinct pods).
-    Capacity: for each resource, the pools' max replicas times their bundles must fit in the
-    groups' max pods (plus the head).
-    """
-    errors: list[str] = []
-    nodes = [("head", settings.head.ray_resources(), 1)]
-    nodes += [(g.name, g.ray_resources(), g.max_replicas) for g in settings.worker_groups]
-    demand: dict[str, float] = {}
-    for name, pool in cfg.pools.items():
-        where = f"pools.{name}"
-        gpus = _sum(pool.bundles).get("GPU", 0.0)
-        if gpus and gpus != pool.tensor_parallel_size:
-            errors.append(f"{where}: bundles hold {gpus:g} GPU but tensor_parallel_size is {pool.tensor_parallel_size}")
-        if pool.tensor_parallel_size > 1 and not gpus:
-            errors.append(f"{where}: tensor_parallel_size {pool.tensor_parallel_size} needs GPU bundles")
-        if pool.placement_strategy == "STRICT_PACK":
-            if not any(_fits(_sum(pool.bundles), res) for _, res, _ in nodes):
-                errors.append(f"{where}: STRICT_PACK bundles {pool.bundles} fit no single pod of {_shapes(nodes)}")
-        else:
-            for b in pool.bundles:
-                if not any(_fits(b, res) for _, res, _ in nodes):
-                    errors.append(f"{where}: bundle {b} fits no pod of {_shapes(nodes)}")
-            if pool.placement_strategy == "STRICT_SPREAD" and len(pool.bundles) > sum(n for *_, n in nodes):
-                errors.append(f"{where}: STRICT_SPREAD needs {len(pool.bundles)} pods")
-        most = pool.autoscaling.max_replicas if pool.autoscaling else pool.replicas
-        for r, amount in _sum(pool.bundles).items():
-            demand[r] = demand.get(r, 0.0) + most * amount
-    errors += _drafter_placement_errors(cfg, nodes, demand)
-    for r, amount in sorted(demand.items()):
-        supply = sum(res.get(r, 0.0) * n for _, res, n in nodes)
-        if amount > supply:
-            errors.append(f"capacity: pools may need {amount:g} {r} at max replicas, node groups offer {supply:g}")
-    return errors
-
-
-def _drafter_placement_errors(cfg: ClusterConfig, nodes, demand: dict[str, float]) -> list[str]:
-    """Each drafter replica must fit some pod; a GPU drafter must not fit a pod its targets fit
-    (drafters go on their own worker group: give them a custom resource only that group advertises)."""
-    errors = []
-    for name in used_drafters(cfg):
-        d = cfg.drafters[name]
-        fits = [g for g, res, _ in nodes if _fits(d.resources, res)]
-        if not fits:
-            errors.append(f"drafters.{name}: resources {d.resources} fit no pod of {_shapes(nodes)}")
-        for pname, pool in cfg.pools.items():
-            if pool.remote_drafter != name or not d.resources.get("GPU"):
-                continue
-            shared = [g for g, res, _ in nodes if g in fits and _fits(_sum(pool.bundles), res)]
-            if shared:
-                errors.append(f"drafters.{name}: may land with its targets (pools.{pname}) on {shared}; "
-                              "give it a custom resource only the drafters' worker group advertises")
-        for r, amount in d.resources.items():
-            demand[r] = demand.get(r, 0.0) + d.replicas * amount
-    return errors
-
-
-def _shapes(nodes) -> str:
-    return ", ".join(f"{n}={res}" for n, res, _ in nodes)
 
 
 # -- Serve config and the RayService -----------------------------------------------------------------
@@ -453,118 +292,6 @@ def generated_objects(raw: dict[str, Any], cfg: ClusterConfig, settings: RenderS
         },
     })
     return objs
-
-
-# -- kustomize subset --------------------------------------------------------------------------------
-
-KUSTOMIZE_FIELDS = {"apiVersion", "kind", "resources", "namespace", "labels", "images", "patches"}
-LEGACY_ORDER = ["Namespace", "ResourceQuota", "StorageClass", "CustomResourceDefinition", "ServiceAccount",
-                "PodSecurityPolicy", "Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding", "ConfigMap",
-                "Secret", "Endpoints", "Service", "LimitRange", "PriorityClass", "PersistentVolume",
-                "PersistentVolumeClaim", "Deployment", "StatefulSet", "CronJob", "PodDisruptionBudget"]
-# Strategic-merge keys of the lists our patches touch (built-in kinds only; CRD lists are replaced).
-MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
-              "volumeMounts": "mountPath", "imagePullSecrets": "name"}
-
-
-def _docs(path: Path) -> list[Obj]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d]
-
-
-def _builtin(obj: Obj) -> bool:
-    group = obj.get("apiVersion", "").rpartition("/")[0]
-    return "." not in group or group.endswith(".k8s.io")
-
-
-def strategic_merge(base: Any, patch: Any, builtin: bool = True, field: str = "") -> Any:
-    """Kubernetes strategic merge: maps merge, null deletes, keyed lists merge by key, others replace."""
-    if isinstance(base, dict) and isinstance(patch, dict):
-        out = dict(base)
-        for k, v in patch.items():
-            if v is None:
-                out.pop(k, None)
-            else:
-                out[k] = strategic_merge(base[k], v, builtin, k) if k in base else copy.deepcopy(v)
-        return out
-    key = MERGE_KEYS.get(field) if builtin else None
-    if key is None and builtin and field == "ports" and isinstance(base, list):
-        key = "containerPort" if all("containerPort" in p for p in base + patch) else "port"
-    if key and isinstance(base, list) and isinstance(patch, list):
-        out = [copy.deepcopy(b) for b in base]
-        for item in patch:
-            match = next((i for i, b in enumerate(out) if b.get(key) == item.get(key)), None)
-            if match is None:
-                out.append(copy.deepcopy(item))
-            else:
-                out[match] = strategic_merge(out[match], item, builtin)
-        return out
-    return copy.deepcopy(patch)
-
-
-def _set_images(node: Any, images: list[Obj]) -> None:
-    """kustomize `images`: rewrite `image` of every container anywhere in the object."""
-    if isinstance(node, dict):
-        for k, v in node.items():
-            if k in ("containers", "initContainers") and isinstance(v, list):
-                for c in v:
-                    c["image"] = _new_image(c.get("image", ""), images)
-            else:
-                _set_images(v, images)
-    elif isinstance(node, list):
-        for v in node:
-            _set_images(v, images)
-
-
-def _new_image(image: str, images: list[Obj]) -> str:
-    name, tag = image, ""
-    if ":" in image.rsplit("/", 1)[-1]:
-        name, tag = image.rsplit(":", 1)
-    for rule in images:
-        if rule["name"] == name:
-            name = rule.get("newName", name)
-            tag = rule.get("newTag", tag)
-    return f"{name}:{tag}" if tag else name
-
-
-def build(path: Path) -> list[Obj]:
-    """`kustomize build path` for the subset of kustomization fields named in KUSTOMIZE_FIELDS."""
-    kfile = path / "kustomization.yaml"
-    k = yaml.safe_load(kfile.read_text()) or {}
-    unknown = set(k) - KUSTOMIZE_FIELDS
-    if unknown:
-        raise ValueError(f"{kfile}: fields {sorted(unknown)} are outside the supported kustomize subset")
-    objs: list[Obj] = []
-    for res in k.get("resources", []):
-        p = path / res
-        objs += build(p) if p.is_dir() else _docs(p)
-    for entry in k.get("patches", []):
-        for patch in _docs(path / entry["path"]):
-            target = entry.get("target", {})
-            kind, name = target.get("kind", patch.get("kind")), target.get("name", patch["metadata"]["name"])
-            hits = [i for i, o in enumerate(objs) if o["kind"] == kind and o["metadata"]["name"] == name]
-            if len(hits) != 1:
-                raise ValueError(f"{kfile}: patch {entry['path']} matches {len(hits)} objects ({kind}/{name})")
-            obj = objs[hits[0]]
-            body = {f: v for f, v in patch.items() if f not in ("apiVersion", "kind")}
-            objs[hits[0]] = strategic_merge(obj, body, _builtin(obj))
-    if "namespace" in k:
-        for o in objs:
-            o["metadata"]["namespace"] = k["namespace"]
-    for entry in k.get("labels", []):
-        if entry.get("includeSelectors") or entry.get("includeTemplates"):
-            raise ValueError(f"{kfile}: labels with includeSelectors/includeTemplates are not supported")
-        for o in objs:
-            o["metadata"].setdefault("labels", {}).update(entry["pairs"])
-    if k.get("images"):
-        for o in objs:
-            _set_images(o, k["images"])
-    return sorted(objs, key=_order)
-
-
-def _order(o: Obj) -> tuple:
-    kind = o["kind"]
-    rank = LEGACY_ORDER.index(kind) if kind in LEGACY_ORDER else len(LEGACY_ORDER)
-    return rank, kind, o["metadata"].get("namespace", ""), o["metadata"]["name"]
 
 
 # -- files --------------------------------------------------------------------------------------------

@@ -76,6 +76,6 @@ def read_docs(path: Path) -> list[dict]:
 
 def build_all() -> dict[str, list[dict]]:
     """{overlay name: objects of `kustomize build` (cluster.render.build)}."""
-    from cluster.render import build
+    from cluster.kustomize import build
 
     return {name: build(K8S / "overlays" / name) for name in OVERLAYS}

@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from cluster.config import ConfigError, load_config, parse_config
+from cluster.kustomize import _new_image, build, strategic_merge
 from cluster.render import (
-    RenderSettings, _new_image, _start_params, build, deep_merge, k8s_config_errors, load_settings, main,
-    placement_errors, serve_config, strategic_merge,
+    RenderSettings, _start_params, deep_merge, k8s_config_errors, load_settings, main, placement_errors, serve_config,
 )
 from tests.k8s.k8s_checks import K8S, ROOT
 

@@ -138,7 +138,6 @@ def _pod(settings: RenderSettings, cfg: ClusterConfig, group: NodeGroup, role: s
         {"name": "RAY_worker_niceness", "value": "0"},
         *({"name": k, "value": v} for k, v in sorted(ray_node_env(cfg).items())),  # e.g. the gRPC message-size bound
         {"name": "SPECSERVE_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": settings.redis_secret, "key": "password"}}},
-        {"name": "SPECSERVE_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": settings.redis_secret, "key": "url", "optional": True}}},
         {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": settings.hf_secret, "key": "token", "optional": True}}},
     ]
     ports = [{"name": "serve", "containerPort": cfg.api.http_port}]

@@ -34,7 +34,7 @@ def start_cluster(config_path: str, wait_s: float = 900.0):
     from cluster.config import load_config
     from cluster.models import prepare_all
     from cluster.deadline import proxy_timeout_s
-    from cluster.placement import GRPC_SERVICER_FUNCTIONS, grpc_message_options, ray_node_env
+    from cluster.placement import GRPC_SERVICER_FUNCTIONS, grpc_message_options, grpc_reflection, ray_node_env
     from deployments.app import build_app
 
     config = load_config(config_path)  # 1. fail fast on a bad config
@@ -71,9 +71,8 @@ def start_cluster(config_path: str, wait_s: float = 900.0):
         grpc = None
         timeout_s = proxy_timeout_s(config.router.request_timeout_s)  # the proxies' backstop to the router's deadline
         if config.api.grpc_port:
-            reflection = not config.auth.enabled or config.auth.allow_unauthenticated_reflection
             grpc = gRPCOptions(port=config.api.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS,
-                               enable_reflection=reflection, request_timeout_s=timeout_s)
+                               enable_reflection=grpc_reflection(config), request_timeout_s=timeout_s)
         serve.start(http_options=HTTPOptions(host=config.api.host, port=config.api.http_port, request_timeout_s=timeout_s,
                                              **http_tls), grpc_options=grpc)
         if grpc is not None and tls.enabled:  # Ray's gRPC proxy has no TLS: a TLS listener in front of it

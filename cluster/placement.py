@@ -31,6 +31,12 @@ def ray_node_env(config: ClusterConfig) -> dict[str, str]:
     return {GRPC_MAX_MESSAGE_ENV: str(config.api.limits.grpc_max_message_bytes)}
 
 
+def grpc_reflection(config: ClusterConfig) -> bool:
+    """Whether Ray's gRPC proxy serves reflection: it answers before any key check, so with auth on
+    only if auth.allow_unauthenticated_reflection says so."""
+    return not config.auth.enabled or config.auth.allow_unauthenticated_reflection
+
+
 def grpc_message_options(config: ClusterConfig) -> list[tuple[str, int]]:
     """grpc channel / server options with the same bound, for the TLS listener in front of the proxy."""
     n = config.api.limits.grpc_max_message_bytes

@@ -19,7 +19,7 @@ import argparse
 import copy
 import json
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 from urllib.parse import urlparse
 
@@ -28,8 +28,8 @@ import yaml
 from cluster.config import ClusterConfig, ConfigError, parse_config
 from cluster.kustomize import build
 from cluster.placement import (
-    GRPC_SERVICER_FUNCTIONS, drafter_deployment_options, engine_deployment_options, router_deployment_options,
-    ray_node_env, used_drafters,
+    GRPC_SERVICER_FUNCTIONS, drafter_deployment_options, engine_deployment_options, grpc_reflection,
+    router_deployment_options, ray_node_env, used_drafters,
 )
 from cluster.render_settings import (  # noqa: F401  (the overlay settings and checks are part of this interface)
     NodeGroup, RenderSettings, k8s_config_errors, load_settings, placement_errors,
@@ -100,7 +100,8 @@ def serve_config(raw: dict[str, Any], cfg: ClusterConfig, settings: RenderSettin
         ],
     }
     if cfg.api.grpc_port:
-        out["grpc_options"] = {"port": cfg.api.grpc_port, "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS)}
+        out["grpc_options"] = {"port": cfg.api.grpc_port, "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS),
+                               "enable_reflection": grpc_reflection(cfg)}
     return out
 
 
@@ -126,6 +127,33 @@ def _labels(settings: RenderSettings, component: str, group: str) -> dict[str, s
     }
 
 
+API_KEYS_SECRET_KEY = "keys"  # the key of settings.api_keys_secret that holds the API keys
+
+
+def api_key_env(cfg: ClusterConfig, settings: RenderSettings) -> list[Obj]:
+    """With auth on: the router's key variable (auth.api_keys_env) from the API-key Secret, by reference.
+
+    Optional when a key file is configured too (then either source may hold the keys)."""
+    if not (cfg.auth.enabled and cfg.auth.api_keys_env):
+        return []
+    ref: Obj = {"name": settings.api_keys_secret, "key": API_KEYS_SECRET_KEY}
+    if cfg.auth.api_keys_file:
+        ref["optional"] = True
+    return [{"name": cfg.auth.api_keys_env, "valueFrom": {"secretKeyRef": ref}}]
+
+
+def api_key_volume(cfg: ClusterConfig, settings: RenderSettings) -> tuple[list[Obj], list[Obj]]:
+    """(volumes, volumeMounts): with auth on and auth.api_keys_file set, the API-key Secret mounted
+    so that its key named like the file's basename is that file. Kubernetes updates a mounted
+    Secret in place, and the router re-reads the file: keys rotate without a restart."""
+    if not (cfg.auth.enabled and cfg.auth.api_keys_file):
+        return [], []
+    path = PurePosixPath(cfg.auth.api_keys_file)
+    volume = {"name": "api-keys", "secret": {"secretName": settings.api_keys_secret, "defaultMode": 0o440,
+                                             "items": [{"key": path.name, "path": path.name}]}}
+    return [volume], [{"name": "api-keys", "mountPath": str(path.parent), "readOnly": True}]
+
+
 def _pod(settings: RenderSettings, cfg: ClusterConfig, group: NodeGroup, role: str, group_name: str) -> Obj:
     """Pod template of one Ray node group (role: head or worker)."""
     res: Obj = {"cpu": f"{group.cpu:g}", "memory": _qty_gib(group.memory_gib)}
@@ -139,6 +167,7 @@ def _pod(settings: RenderSettings, cfg: ClusterConfig, group: NodeGroup, role: s
         *({"name": k, "value": v} for k, v in sorted(ray_node_env(cfg).items())),  # e.g. the gRPC message-size bound
         {"name": "SPECSERVE_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": settings.redis_secret, "key": "password"}}},
         {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": settings.hf_secret, "key": "token", "optional": True}}},
+        *api_key_env(cfg, settings),
     ]
     ports = [{"name": "serve", "containerPort": cfg.api.http_port}]
     if cfg.api.grpc_port:
@@ -158,6 +187,7 @@ def _pod(settings: RenderSettings, cfg: ClusterConfig, group: NodeGroup, role: s
             {"name": "tmp", "mountPath": "/tmp"},
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "cache", "mountPath": "/var/cache/specserve"},
+            *api_key_volume(cfg, settings)[1],
         ],
         "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}},
     }
@@ -181,6 +211,7 @@ def _pod(settings: RenderSettings, cfg: ClusterConfig, group: NodeGroup, role: s
             {"name": "tmp", "emptyDir": {"sizeLimit": "10Gi"}},
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _qty_gib(group.shm_gib)}},
             {"name": "cache", "emptyDir": {"sizeLimit": _qty_gib(group.cache_gib)}},
+            *api_key_volume(cfg, settings)[0],
         ],
     }
     if group.node_selector:

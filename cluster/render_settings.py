@@ -68,6 +68,11 @@ class RenderSettings(_Strict):
     worker_groups: list[WorkerGroup] = Field(min_length=1, description="Worker pod groups (engines).")
     redis_secret: str = Field("specserve-redis", description="Secret with `password` (and optional `url`).")
     hf_secret: str = Field("specserve-hf", description="Optional Secret with `token` (HF_TOKEN, gated models).")
+    api_keys_secret: str = Field(
+        "specserve-api-keys",
+        description=("Secret with the API keys when the cluster config has auth.enabled: key `keys` (comma-separated "
+                     "`label:key`) becomes auth.api_keys_env; with auth.api_keys_file, the key named like the "
+                     "file's basename is mounted as that file."))
     gcs_fault_tolerance: bool = Field(True, description="Ray GCS fault tolerance on the config's Redis.")
     autoscaler_idle_timeout_s: int = Field(300, ge=0, description="KubeRay autoscaler: idle pod lifetime.")
     upscaling_mode: Literal["Default", "Aggressive", "Conservative"] = Field("Default")
@@ -93,6 +98,9 @@ def load_settings(overlay_dir: Path) -> RenderSettings:
 # -- the cluster config as Kubernetes sees it ---------------------------------------------------------
 
 
+POD_WRITABLE_DIRS = ("/tmp", "/dev/shm", "/var/cache/specserve")  # the Ray pods' emptyDir mounts
+
+
 def k8s_config_errors(cfg: ClusterConfig) -> list[str]:
     """What a cluster config must say to run on Kubernetes (empty list: fine)."""
     errors = []
@@ -103,6 +111,13 @@ def k8s_config_errors(cfg: ClusterConfig) -> list[str]:
     host = urlparse(cfg.redis.url).hostname or ""
     if host in ("127.0.0.1", "localhost", "::1", ""):
         errors.append(f"redis.url must name a Service or external host, got {cfg.redis.url!r}")
+    if cfg.api.tls.enabled:
+        errors.append("api.tls is for `specserve up`; on Kubernetes TLS ends at the ingress or gateway in front of "
+                      "the Service (k8s/README.md), so api.tls must be unset")
+    keys_file = cfg.auth.api_keys_file if cfg.auth.enabled else None
+    if keys_file and (not keys_file.startswith("/") or keys_file.rsplit("/", 1)[0] in POD_WRITABLE_DIRS + ("",)):
+        errors.append(f"auth.api_keys_file must be an absolute path in a directory of its own (the API-key Secret is "
+                      f"mounted there), not in {', '.join(POD_WRITABLE_DIRS)}: got {keys_file!r}")
     return errors
 
 

@@ -284,6 +284,17 @@ def test_redis_persistence_secret_and_gcs(built, overlay):
     assert "$REDIS_PASSWORD" in " ".join(sts["spec"]["template"]["spec"]["containers"][0]["args"])
 
 
+def test_gpu_prod_asks_for_keys_from_a_secret(built):
+    settings, _, cfg = _effective("gpu-prod")
+    assert cfg.auth.enabled and not cfg.auth.allow_unauthenticated_reflection
+    rs = _one(built["gpu-prod"], "RayService")
+    assert _serve(built["gpu-prod"])["grpc_options"]["enable_reflection"] is False
+    for group, spec in _pod_templates(rs):  # router replicas may land on any Ray pod
+        env = {e["name"]: e for e in spec["template"]["spec"]["containers"][0]["env"]}
+        assert env[cfg.auth.api_keys_env] == {"name": cfg.auth.api_keys_env, "valueFrom": {"secretKeyRef": {
+            "name": settings.api_keys_secret, "key": "keys"}}}, group
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_only_ray_pods_reach_redis(built, overlay):
     objs = built[overlay]

@@ -11,7 +11,8 @@ import yaml
 from cluster.config import ConfigError, load_config, parse_config
 from cluster.kustomize import _new_image, build, strategic_merge
 from cluster.render import (
-    RenderSettings, _start_params, deep_merge, k8s_config_errors, load_settings, main, placement_errors, serve_config,
+    RenderSettings, _start_params, api_key_env, api_key_volume, deep_merge, k8s_config_errors, load_settings, main,
+    placement_errors, serve_config,
 )
 from tests.k8s.k8s_checks import K8S, ROOT
 
@@ -126,6 +127,45 @@ def test_serve_config_autoscaling_or_replicas_and_grpc():
     assert deps["engine-b"]["num_replicas"] == 2 and "autoscaling_config" not in deps["engine-b"]
     assert "grpc_options" not in serve
     assert serve["applications"][0]["args"] == {"config": raw}
+
+
+@pytest.mark.parametrize("auth,reflection", [
+    ({}, True),
+    ({"enabled": True}, False),  # Ray's proxy would answer reflection before any key check
+    ({"enabled": True, "allow_unauthenticated_reflection": True}, True),
+])
+def test_serve_config_reflection_is_off_with_auth(auth, reflection):
+    raw, cfg = _cfg({"a": {"model": "m"}}, auth=auth)
+    assert serve_config(raw, cfg, _settings(ONE))["grpc_options"]["enable_reflection"] is reflection
+
+
+def test_api_keys_reach_the_pods_by_reference_only():
+    settings = _settings(ONE)
+    _, off = _cfg({"a": {"model": "m"}})
+    assert api_key_env(off, settings) == [] and api_key_volume(off, settings) == ([], [])
+    _, env_only = _cfg({"a": {"model": "m"}}, auth={"enabled": True})
+    assert api_key_env(env_only, settings) == [{"name": "SPECSERVE_API_KEYS", "valueFrom": {"secretKeyRef": {
+        "name": "specserve-api-keys", "key": "keys"}}}]
+    assert api_key_volume(env_only, settings) == ([], [])
+    _, both = _cfg({"a": {"model": "m"}}, auth={"enabled": True, "api_keys_file": "/etc/specserve/keys/api-keys"})
+    (env,) = api_key_env(both, settings)
+    assert env["valueFrom"]["secretKeyRef"]["optional"] is True  # the file may hold every key
+    (volume,), (mount,) = api_key_volume(both, settings)
+    assert volume["secret"]["secretName"] == "specserve-api-keys"
+    assert volume["secret"]["items"] == [{"key": "api-keys", "path": "api-keys"}]
+    assert mount == {"name": "api-keys", "mountPath": "/etc/specserve/keys", "readOnly": True}
+    _, file_only = _cfg({"a": {"model": "m"}}, auth={"enabled": True, "api_keys_env": None, "api_keys_file": "/k/f"})
+    assert api_key_env(file_only, settings) == []
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"api": {"host": "0.0.0.0", "tls": {"certfile": "/c.pem", "keyfile": "/k.pem"}}}, "api.tls"),
+    ({"auth": {"enabled": True, "api_keys_file": "/tmp/keys"}}, "auth.api_keys_file"),
+    ({"auth": {"enabled": True, "api_keys_file": "keys"}}, "auth.api_keys_file"),
+])
+def test_k8s_config_errors_tls_and_key_file(extra, needle):
+    _, cfg = _cfg({"a": {"model": "m"}}, **extra)
+    assert any(needle in e for e in k8s_config_errors(cfg))
 
 
 def test_start_params_resources_in_the_ray_autoscaler_format():

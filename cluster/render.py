@@ -287,6 +287,16 @@ def ray_service(raw: dict[str, Any], cfg: ClusterConfig, settings: RenderSetting
     }
 
 
+def api_client_rules(settings: RenderSettings, ports: list[Obj]) -> list[Obj]:
+    """NetworkPolicy ingress rules for the HTTP and gRPC API ports: from the ingress or gateway
+    namespaces only (never from every pod or address: the Ray pods also run Ray's own services)."""
+    if not settings.api_client_namespaces:
+        return []
+    peers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
+             for ns in settings.api_client_namespaces]
+    return [{"from": peers, "ports": ports}]
+
+
 def generated_objects(raw: dict[str, Any], cfg: ClusterConfig, settings: RenderSettings) -> list[Obj]:
     """Everything of the overlay that follows from the cluster config and render settings."""
     name = settings.name
@@ -317,7 +327,7 @@ def generated_objects(raw: dict[str, Any], cfg: ClusterConfig, settings: RenderS
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"from": [{"podSelector": {"matchLabels": ray_pods}}]},  # Ray pods among themselves: any port
-                {"ports": serving},  # clients of the HTTP and gRPC APIs
+                *api_client_rules(settings, serving),
                 {"from": [{"namespaceSelector": {"matchLabels": {
                     "kubernetes.io/metadata.name": settings.operator_namespace}}}],
                  "ports": [{"port": 8265, "protocol": "TCP"}]},  # KubeRay submits the Serve config here

@@ -82,6 +82,11 @@ class RenderSettings(_Strict):
     termination_grace_s: int = Field(180, ge=0, description="Pod terminationGracePeriodSeconds.")
     cluster_deletion_delay_s: int = Field(60, ge=0, description="Old RayCluster lives this long after a switch.")
     operator_namespace: str = Field("kuberay-system", description="Namespace of the KubeRay operator (NetworkPolicy).")
+    api_client_namespaces: list[str] = Field(
+        default_factory=list,
+        description=("Namespaces whose pods may open the HTTP and gRPC API ports: the ingress controller's or "
+                     "gateway's, which terminates TLS for clients outside the cluster (NetworkPolicy). Empty: "
+                     "none besides the Ray pods (`kubectl port-forward` is not subject to NetworkPolicies)."))
 
 
 def load_settings(overlay_dir: Path) -> RenderSettings:

@@ -296,6 +296,20 @@ def test_gpu_prod_asks_for_keys_from_a_secret(built):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_api_ports_admit_only_the_ingress_namespaces(built, overlay):
+    settings, _, cfg = _effective(overlay)
+    policy = _one(built[overlay], "NetworkPolicy", f"{settings.name}-ray")
+    rules = policy["spec"]["ingress"]
+    assert all(rule.get("from") for rule in rules)  # no rule admits every pod or address
+    api = [r for r in rules if {p["port"] for p in r.get("ports", [])} & {cfg.api.http_port, cfg.api.grpc_port}]
+    namespaces = [peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+                  for r in api for peer in r["from"]]
+    assert namespaces == settings.api_client_namespaces
+    if overlay == "gpu-prod":
+        assert namespaces, "production must name the ingress or gateway namespace"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_only_ray_pods_reach_redis(built, overlay):
     objs = built[overlay]
     policy = _one(objs, "NetworkPolicy", "specserve-redis")

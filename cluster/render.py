@@ -127,6 +127,8 @@ def _labels(settings: RenderSettings, component: str, group: str) -> dict[str, s
     }
 
 
+REDIS_TUNING_PASSWORD_KEY = "tuning-password"  # keys of settings.redis_secret (k8s/base/redis.yaml reads them too)
+REDIS_GCS_PASSWORD_KEY = "gcs-password"
 API_KEYS_SECRET_KEY = "keys"  # the key of settings.api_keys_secret that holds the API keys
 
 
@@ -165,7 +167,8 @@ def _pod(settings: RenderSettings, cfg: ClusterConfig, group: NodeGroup, role: s
         # Ray starts workers (Serve replicas, so the engines) at nice 15 by default: see cluster/cli.py.
         {"name": "RAY_worker_niceness", "value": "0"},
         *({"name": k, "value": v} for k, v in sorted(ray_node_env(cfg).items())),  # e.g. the gRPC message-size bound
-        {"name": "SPECSERVE_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": settings.redis_secret, "key": "password"}}},
+        {"name": "SPECSERVE_REDIS_PASSWORD",
+         "valueFrom": {"secretKeyRef": {"name": settings.redis_secret, "key": REDIS_TUNING_PASSWORD_KEY}}},
         {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": settings.hf_secret, "key": "token", "optional": True}}},
         *api_key_env(cfg, settings),
     ]
@@ -269,7 +272,8 @@ def ray_service(raw: dict[str, Any], cfg: ClusterConfig, settings: RenderSetting
     if settings.gcs_fault_tolerance:
         cluster["gcsFaultToleranceOptions"] = {
             "redisAddress": f"{redis.hostname}:{redis.port or 6379}",
-            "redisPassword": {"valueFrom": {"secretKeyRef": {"name": settings.redis_secret, "key": "password"}}},
+            "redisUsername": {"value": settings.redis_gcs_user},  # a name, not a secret
+            "redisPassword": {"valueFrom": {"secretKeyRef": {"name": settings.redis_secret, "key": REDIS_GCS_PASSWORD_KEY}}},
             "externalStorageNamespace": f"{settings.name}-gcs",
         }
     return {

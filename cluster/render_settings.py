@@ -66,7 +66,12 @@ class RenderSettings(_Strict):
     env: dict[str, str] = Field(default_factory=dict, description="Environment of every Ray container.")
     head: NodeGroup = Field(description="The head pod (GCS, dashboard, router replicas, autoscaler).")
     worker_groups: list[WorkerGroup] = Field(min_length=1, description="Worker pod groups (engines).")
-    redis_secret: str = Field("specserve-redis", description="Secret with `password` (and optional `url`).")
+    redis_secret: str = Field(
+        "specserve-redis",
+        description=("Secret with the Redis ACL users' passwords: `tuning-password` (the user named in redis.url; "
+                     "SPECSERVE_REDIS_PASSWORD of the Ray pods), `gcs-password` (Ray's GCS), and `admin-password` "
+                     "(the `default` user, read by the Redis StatefulSet only)."))
+    redis_gcs_user: str = Field("gcs", description="Redis ACL user of Ray's GCS fault tolerance (k8s/base/redis.yaml).")
     hf_secret: str = Field("specserve-hf", description="Optional Secret with `token` (HF_TOKEN, gated models).")
     api_keys_secret: str = Field(
         "specserve-api-keys",
@@ -116,6 +121,9 @@ def k8s_config_errors(cfg: ClusterConfig) -> list[str]:
     host = urlparse(cfg.redis.url).hostname or ""
     if host in ("127.0.0.1", "localhost", "::1", ""):
         errors.append(f"redis.url must name a Service or external host, got {cfg.redis.url!r}")
+    if not urlparse(cfg.redis.url).username:
+        errors.append(f"redis.url must name the tuning state's ACL user (redis://tuning@host:port/db), "
+                      f"got {cfg.redis.url!r}")
     if cfg.api.tls.enabled:
         errors.append("api.tls is for `specserve up`; on Kubernetes TLS ends at the ingress or gateway in front of "
                       "the Service (k8s/README.md), so api.tls must be unset")

@@ -60,7 +60,7 @@ def test_gpu_example_loads():
     assert {"ngram", "draft_model", "mtp"} <= methods
     assert any(p.tensor_parallel_size == 2 and len(p.bundles) == 2 for p in cfg.pools.values())
     assert all(p.autoscaling for p in cfg.pools.values())
-    assert cfg.redis.url.startswith("redis://specserve-redis:")
+    assert cfg.redis.url.startswith("redis://tuning@specserve-redis:")  # its own ACL user, no password
 
 
 # -- schemas -------------------------------------------------------------------------------------------
@@ -266,7 +266,7 @@ def test_gpu_groups_fit_the_pools(built):
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_redis_persistence_secret_and_gcs(built, overlay):
     objs = built[overlay]
-    _, _, cfg = _effective(overlay)
+    settings, _, cfg = _effective(overlay)
     sts = _one(objs, "StatefulSet", "specserve-redis")
     svc = _one(objs, "Service", "specserve-redis")
     assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"]
@@ -278,10 +278,12 @@ def test_redis_persistence_secret_and_gcs(built, overlay):
     assert url.hostname == svc["metadata"]["name"] and url.port == svc["spec"]["ports"][0]["port"]
     gcs = _one(objs, "RayService")["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
     assert gcs["redisAddress"] == f"{url.hostname}:{url.port}"
-    secret = gcs["redisPassword"]["valueFrom"]["secretKeyRef"]
+    assert gcs["redisUsername"] == {"value": settings.redis_gcs_user}
     env = {e["name"]: e for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == secret
-    assert "$REDIS_PASSWORD" in " ".join(sts["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert env["REDIS_GCS_PASSWORD"]["valueFrom"] == gcs["redisPassword"]["valueFrom"]
+    for group, spec in _pod_templates(_one(objs, "RayService")):  # the tuning user's password, by reference
+        ray_env = {e["name"]: e for e in spec["template"]["spec"]["containers"][0]["env"]}
+        assert ray_env[cfg.redis.password_env]["valueFrom"] == env["REDIS_TUNING_PASSWORD"]["valueFrom"], group
 
 
 def test_gpu_prod_asks_for_keys_from_a_secret(built):

@@ -48,7 +48,8 @@ def test_deep_merge():
 def test_k8s_config_errors():
     local = load_config(ROOT / "cluster/configs/local-cpu.yaml")
     errors = k8s_config_errors(local)
-    assert len(errors) == 3 and any("api.host" in e for e in errors) and any("start_local" in e for e in errors)
+    assert len(errors) == 4 and any("api.host" in e for e in errors) and any("start_local" in e for e in errors)
+    assert any("ACL user" in e for e in errors)
     assert k8s_config_errors(load_config(ROOT / "cluster/configs/gpu-example.yaml")) == []
 
 

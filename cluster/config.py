@@ -40,6 +40,11 @@ class ModelConfig(_Strict):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "auto", description="Weights dtype for vLLM ('auto' takes the checkpoint's)."
     )
+    trust_remote_code: bool = Field(
+        False, description=(
+            "Run the Python code shipped inside this model's checkpoint (its `auto_map`), with the engine's "
+            "permissions: only for a model whose architecture needs it; say why beside it, and pin the revision. "
+            "The only place it may be turned on (a pool's engine_kwargs may not)."))
 
 
 class AutoscalingConfig(_Strict):
@@ -283,6 +288,8 @@ class PoolConfig(_Strict):
             raise ValueError(f"`drafter` is only used by {sorted(m.value for m in DRAFTER_METHODS)}")
         if (self.method == SpecMode.REMOTE_DRAFT) != bool(self.remote_drafter):
             raise ValueError("`remote_drafter` is needed by, and only used by, method 'remote_draft'")
+        if "trust_remote_code" in self.engine_kwargs:
+            raise ValueError("engine_kwargs.trust_remote_code: set models.<model>.trust_remote_code on the model that needs it")
         if self.ngram_max < self.ngram_min:
             raise ValueError("ngram_max must be >= ngram_min")
         if self.k_grow_step and self.method in (SpecMode.NONE, SpecMode.REMOTE_DRAFT):

@@ -40,6 +40,7 @@ class EngineReplica(EngineServer):
 
         super().__init__(pool_name, pool, model_path, drafter_path, served_name=pool.model,
                          dtype=config.models[pool.model].dtype,
+                         trust_remote_code=config.models[pool.model].trust_remote_code,
                          drafter_endpoint=drafter_endpoint if drafter is not None else None)
 
 

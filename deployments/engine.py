@@ -87,7 +87,7 @@ def speculative_config(pool: PoolConfig, drafter_path: Optional[str]) -> Optiona
 
 def engine_kwargs(
     pool: PoolConfig, model_path: str, drafter_path: Optional[str], served_name: str, dtype: str = "auto",
-    cpu_build: Optional[bool] = None,
+    cpu_build: Optional[bool] = None, trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """AsyncEngineArgs for one replica of `pool`; the pool's engine_kwargs win over our defaults.
 
@@ -97,6 +97,7 @@ def engine_kwargs(
         model=model_path,
         served_model_name=served_name,
         dtype=dtype,
+        trust_remote_code=trust_remote_code,  # the model's own setting (ModelConfig.trust_remote_code)
         max_model_len=pool.max_model_len,
         tensor_parallel_size=pool.tensor_parallel_size,
         scheduler_cls=SCHEDULER_CLS_PATH,
@@ -166,6 +167,7 @@ class EngineServer:
         drafter_path: Optional[str],
         served_name: str,
         dtype: str = "auto",
+        trust_remote_code: bool = False,
         engine: Any = None,
         drafter_endpoint: Optional[Callable[[], Awaitable[str]]] = None,
     ):
@@ -174,7 +176,8 @@ class EngineServer:
         self.served_name = served_name
         self.replica = f"{pool_name}-{id(self):x}"
         if engine is None:
-            engine = self._start_engine(engine_kwargs(pool, model_path, drafter_path, served_name, dtype))
+            engine = self._start_engine(engine_kwargs(pool, model_path, drafter_path, served_name, dtype,
+                                                      trust_remote_code=trust_remote_code))
         self.engine = engine
         self._tokenizer = None
         self._last_probe_ok = float("-inf")

@@ -48,6 +48,7 @@ def test_local_config_pools_and_modes():
          "models.smollm2-135m-eagle.source"),
         (lambda c: c["pools"]["ngram"].update(autoscaling={"min_replicas": 3, "max_replicas": 1}),
          "pools.ngram.autoscaling"),
+        (lambda c: c["pools"]["ngram"]["engine_kwargs"].update(trust_remote_code=True), "pools.ngram"),
     ],
 )
 def test_bad_config_names_the_field(mutate, field):
@@ -65,3 +66,15 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("pools: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_trust_remote_code_only_on_models_that_say_so():
+    """Off unless a model asks for it; in the shipped configs only MiMo-7B does (its config class is
+    code in its checkpoint), with the reason beside it."""
+    for path in CONFIGS.glob("*.yaml"):
+        cfg = load_config(path)
+        trusted = sorted(name for name, m in cfg.models.items() if m.trust_remote_code)
+        assert trusted == (["mimo-7b-rl"] if path.stem == "gpu-example" else []), path
+    text = (CONFIGS / "gpu-example.yaml").read_text()
+    before = text[:text.index("trust_remote_code: true")].rsplit("mimo-7b-rl:", 1)[1]
+    assert "transformers" in before  # the reason is written beside it

@@ -72,6 +72,8 @@ def test_engine_kwargs_pool_overrides_win():
     assert kw["scheduler_cls"] == "cluster.vllm_scheduler.PerRequestKScheduler"
     assert kw["async_scheduling"] is False and kw["enforce_eager"] is True and kw["max_num_seqs"] == 64
     assert kw["dtype"] == "float32"
+    assert kw["trust_remote_code"] is False  # only the model's own setting turns it on
+    assert engine_kwargs(CFG.pools["ngram"], "/m", None, "m", trust_remote_code=True)["trust_remote_code"] is True
 
 
 def test_engine_kwargs_platform_cpu_build_has_no_chunked_prefill():

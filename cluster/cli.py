@@ -34,7 +34,9 @@ def start_cluster(config_path: str, wait_s: float = 900.0):
     from cluster.config import load_config
     from cluster.models import prepare_all
     from cluster.deadline import proxy_timeout_s
-    from cluster.placement import GRPC_SERVICER_FUNCTIONS, grpc_message_options, grpc_reflection, ray_node_env
+    from cluster.placement import (
+        GRPC_SERVICER_FUNCTIONS, grpc_message_options, grpc_reflection, ray_init_kwargs, ray_node_env,
+    )
     from deployments.app import build_app
 
     config = load_config(config_path)  # 1. fail fast on a bad config
@@ -57,10 +59,8 @@ def start_cluster(config_path: str, wait_s: float = 900.0):
             # Read by the workers the raylet starts: the gRPC proxy's message-size bound (a joined
             # cluster's nodes must have it in their own environment, as the rendered manifests do).
             os.environ.update(ray_node_env(config))
-        ray.init(address=config.ray.address, num_cpus=config.ray.num_cpus if local else None,
-                 include_dashboard=False, logging_level=logging.WARNING,
-                 **({"_metrics_export_port": config.ray.metrics_export_port} if local and config.ray.metrics_export_port else {}),
-                 runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
+        # A local Ray binds to loopback (ray.node_ip_address): its processes take unauthenticated calls.
+        ray.init(**ray_init_kwargs(config, pythonpath=str(Path(__file__).resolve().parents[1])))
         interrupt_on_signals()  # ray.init replaced the SIGTERM handler with its own (sys.exit)
         tls = config.api.tls
         http_tls = {}

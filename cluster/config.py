@@ -503,6 +503,12 @@ class RayConfig(_Strict):
     metrics_export_port: Optional[int] = Field(
         None, ge=1, le=65535, description="Prometheus port of a local Ray cluster's metrics agent (None: Ray picks)."
     )
+    node_ip_address: Optional[str] = Field(
+        "127.0.0.1", description=(
+            "Address a local Ray cluster's processes bind to and advertise (GCS, raylet, object manager, workers: "
+            "Serve replicas unpickle what reaches them, unauthenticated). Loopback keeps all of it off the network; "
+            "the API is served on api.host either way. None: Ray picks this machine's address (other machines may "
+            "then join, and reach it)."))
 
 
 class ClusterConfig(_Strict):

@@ -7,6 +7,7 @@ used by `specserve up`, by the Serve config rendered for KubeRay, and by tests.
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -29,6 +30,20 @@ def ray_node_env(config: ClusterConfig) -> dict[str, str]:
     """Environment of every Ray node (so of every worker, Serve's proxies included) that the
     config asks for: the gRPC proxy's message-size bound (api.limits.grpc_max_message_bytes)."""
     return {GRPC_MAX_MESSAGE_ENV: str(config.api.limits.grpc_max_message_bytes)}
+
+
+def ray_init_kwargs(config: ClusterConfig, pythonpath: str) -> dict[str, Any]:
+    """Arguments of `ray.init` for `specserve up`: join ray.address, or start a local Ray whose
+    processes bind to ray.node_ip_address (loopback by default: nothing of Ray on the network)."""
+    kwargs: dict[str, Any] = dict(address=config.ray.address, include_dashboard=False, logging_level=logging.WARNING,
+                                  runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+    if not config.ray.address:
+        kwargs["num_cpus"] = config.ray.num_cpus
+        if config.ray.node_ip_address:
+            kwargs["_node_ip_address"] = config.ray.node_ip_address
+        if config.ray.metrics_export_port:
+            kwargs["_metrics_export_port"] = config.ray.metrics_export_port
+    return kwargs
 
 
 def grpc_reflection(config: ClusterConfig) -> bool:

@@ -2,9 +2,10 @@
 
 Contract: an overlay directory `k8s/overlays/<name>/` holds `render.yaml` (Kubernetes-only facts:
 image, node groups, pod sizes; `RenderSettings` in cluster/render_settings.py) naming a cluster
-config file (the same YAML `specserve up` reads). `render()` turns the two into the overlay's `generated.yaml`: a KubeRay
-RayService whose `serveConfigV2` embeds that cluster config for `deployments.app:build_app`, one
-PodDisruptionBudget per worker group, the headless gRPC Service and the Ray pods' NetworkPolicy.
+config file (the same YAML `specserve up` reads). `render()` turns the two into the overlay's
+`generated.yaml`: a KubeRay RayService whose `serveConfigV2` embeds that cluster config for
+`deployments.app:build_app`, one PodDisruptionBudget per worker group, the headless gRPC Service
+and the Ray pods' NetworkPolicy.
 `main` also writes each overlay's `kustomize build` (cluster/kustomize.py) to k8s/rendered/, and
 refuses an overlay whose objects carry a literal secret (cluster/secret_scan.py): secrets reach pods
 only by reference to a Kubernetes Secret.

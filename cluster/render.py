@@ -27,6 +27,7 @@ from urllib.parse import urlparse
 import yaml
 
 from cluster.config import ClusterConfig, ConfigError, parse_config
+from cluster.deadline import proxy_timeout_s
 from cluster.kustomize import build
 from cluster.placement import (
     GRPC_SERVICER_FUNCTIONS, drafter_deployment_options, engine_deployment_options, grpc_reflection,
@@ -88,7 +89,8 @@ def serve_config(raw: dict[str, Any], cfg: ClusterConfig, settings: RenderSettin
         deployments.append(d)
     out: Obj = {
         "proxy_location": "EveryNode",
-        "http_options": {"host": cfg.api.host, "port": cfg.api.http_port},
+        "http_options": {"host": cfg.api.host, "port": cfg.api.http_port,
+                         "request_timeout_s": proxy_timeout_s(cfg.router.request_timeout_s)},
         "logging_config": {"encoding": "JSON", "log_level": "INFO"},
         "applications": [
             {
@@ -102,7 +104,8 @@ def serve_config(raw: dict[str, Any], cfg: ClusterConfig, settings: RenderSettin
     }
     if cfg.api.grpc_port:
         out["grpc_options"] = {"port": cfg.api.grpc_port, "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS),
-                               "enable_reflection": grpc_reflection(cfg)}
+                               "enable_reflection": grpc_reflection(cfg),
+                               "request_timeout_s": proxy_timeout_s(cfg.router.request_timeout_s)}
     return out
 
 

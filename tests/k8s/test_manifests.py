@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from cluster.config import ConfigError, load_config, parse_config
+from cluster.deadline import proxy_timeout_s
 from cluster.placement import drafter_deployment_options, engine_deployment_options, used_drafters
 from cluster.render import RUN_AS_UID, effective_config, load_settings, main
 from tests.k8s.k8s_checks import K8S, OVERLAYS, ROOT, read_docs, schema_errors, serve_strict_errors
@@ -122,8 +123,10 @@ def test_serve_config_loads_with_ray_and_our_models(built, overlay):
     settings, raw, expected = _effective(overlay)
     assert app["args"]["config"] == raw
     assert cfg == expected
-    assert serve["http_options"] == {"host": "0.0.0.0", "port": cfg.api.http_port}
+    backstop_s = proxy_timeout_s(cfg.router.request_timeout_s)  # Ray's proxies end a request after the router's deadline
+    assert serve["http_options"] == {"host": "0.0.0.0", "port": cfg.api.http_port, "request_timeout_s": backstop_s}
     assert serve["grpc_options"]["port"] == cfg.api.grpc_port
+    assert serve["grpc_options"]["request_timeout_s"] == backstop_s > cfg.router.request_timeout_s
     assert "cluster.grpc_ingress.add_SpecServeServicer_to_server" in serve["grpc_options"]["grpc_servicer_functions"]
     assert "cluster.grpc_ingress.add_HealthServicer_to_server" in serve["grpc_options"]["grpc_servicer_functions"]
     deps = {d["name"]: d for d in app["deployments"]}

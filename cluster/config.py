@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal, Optional
-from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+# The service sections live in cluster.config_sections; importers reach every section through here.
+from cluster.config_sections import (  # noqa: F401
+    ApiConfig, AuthConfig, LimitsConfig, RayConfig, RedisConfig, RouterConfig, Strict, TeachingConfig, TlsConfig,
+)
 from cluster.speculation import WORKLOAD_CLASSES, SpecMode
 
 # Methods that run on vLLM's CPU build here; the rest are passed through to vLLM on GPUs.
@@ -22,11 +25,7 @@ class ConfigError(ValueError):
     """A cluster config that does not validate; the message names the field."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-
-class ModelConfig(_Strict):
+class ModelConfig(Strict):
     source: str = Field(
         description=(
             "Where the weights come from: 'gguf-package:<module>/<file>.gguf' (a GGUF file shipped "
@@ -47,7 +46,7 @@ class ModelConfig(_Strict):
             "The only place it may be turned on (a pool's engine_kwargs may not)."))
 
 
-class AutoscalingConfig(_Strict):
+class AutoscalingConfig(Strict):
     """Replicas of a pool between min and max. With `policy: goodput` (the default) the decision is
     specserve's (`cluster.autoscale`): SLOs and what a replica carries without speculation, from the
     router's tuning state; with `policy: queue_length` it is Ray Serve's default policy."""
@@ -87,7 +86,7 @@ class AutoscalingConfig(_Strict):
         return self
 
 
-class DrafterDeploymentConfig(_Strict):
+class DrafterDeploymentConfig(Strict):
     """A drafter deployment (`deployments/drafter.py`): a draft model in its own replicas, placed
     apart from the targets, that pools with `method: remote_draft` call once per step."""
 
@@ -115,14 +114,14 @@ class DrafterDeploymentConfig(_Strict):
         return v
 
 
-class DraftCostPrior(_Strict):
+class DraftCostPrior(Strict):
     """A proposer's cost, relative to one plain target step at batch 1 (verification not included)."""
 
     per_step: float = Field(0.0, ge=0, le=10, description="Fixed cost of a step that drafts anything.")
     per_token: float = Field(0.0, ge=0, le=10, description="Cost per draft token.")
 
 
-class PoolConfig(_Strict):
+class PoolConfig(Strict):
     """A set of identical engine replicas: one target model, one speculative method, K up to max_k."""
 
     model: str = Field(description="Name of the target model (a key of `models`).")
@@ -308,210 +307,7 @@ class PoolConfig(_Strict):
         return [SpecMode.NONE] if self.method == SpecMode.NONE else [self.method, SpecMode.NONE]
 
 
-class TeachingConfig(_Strict):
-    """What traffic teaches the tuner (`cluster/teaching.py`; docs/security.md)."""
-
-    max_temperature: float = Field(
-        1.0, ge=0.0, le=2.0, description="Requests sampled at a higher temperature teach the tuner nothing.")
-    client_rate_per_s: float = Field(
-        4.0, ge=0.0, description=(
-            "Requests per second, on average, one client (its API key, else its peer address) may teach the "
-            "tuner, per router replica; past it they are served but not learned from. 0: no bound."))
-    client_burst: int = Field(240, ge=1, description="Requests one client may teach at once (its bucket's size).")
-    trusted_clients: list[str] = Field(
-        default_factory=list, description=(
-            "Clients whose named K or class hint teaches, unbudgeted (calibration, benchmarks): 'key:<label>' "
-            "of an API key, or 'peer:<address>' (e.g. 'peer:127.0.0.1' on a local cluster without keys)."))
-
-    @field_validator("trusted_clients")
-    @classmethod
-    def _trusted(cls, v: list[str]) -> list[str]:
-        for c in v:
-            if not c.startswith(("key:", "peer:")) or len(c) <= 5:
-                raise ValueError(f"trusted_clients: {c[:80]!r} must be 'key:<label>' or 'peer:<address>'")
-        return v
-
-
-class RouterConfig(_Strict):
-    default_mode: str = Field(
-        "auto",
-        description="Mode when a request names none: 'auto' (the router's policy) or a mode name.",
-    )
-    default_k: dict[str, int] = Field(
-        default_factory=lambda: {"ngram": 3, "draft_model": 3, "eagle": 3, "eagle3": 3, "mtp": 1, "suffix": 4,
-                                 "remote_draft": 3},
-        description="Safe default K per mode when the router has no tuning state.",
-    )
-    replicas: int = Field(1, ge=1, description="Router (ingress) replicas.")
-    max_ongoing_requests: int = Field(256, ge=1, description="Requests one router replica admits at once.")
-    max_queued_requests: int = Field(
-        512, ge=-1, description="Requests queued at the proxies for the router before they answer 503 (-1: no bound)."
-    )
-    request_timeout_s: float = Field(
-        120.0, gt=0, description=(
-            "End-to-end bound of one request at the router, from its arrival (an HTTP body read included) to its "
-            "last output, across the retry: past it the request is aborted in vLLM and fails with "
-            "DEADLINE_EXCEEDED / HTTP 504 (a body not received by then: 408). Ray's proxies get it plus 10 s."))
-    first_token_timeout_s: float = Field(
-        60.0, gt=0, description=(
-            "One engine call that gives no first output within this (queued, or the pool stalled) fails with "
-            "UNAVAILABLE; at most request_timeout_s."))
-    stream_idle_timeout_s: float = Field(
-        60.0, gt=0, description="A stream that gets no output for this long fails with UNAVAILABLE; at most "
-                                "request_timeout_s.")
-    teaching: TeachingConfig = Field(default_factory=TeachingConfig,
-                                     description="What traffic teaches the tuner, and each client's weight.")
-
-    @field_validator("default_mode")
-    @classmethod
-    def _mode(cls, v: str) -> str:
-        if v != "auto":
-            SpecMode.parse(v)
-        return v
-
-    @field_validator("default_k")
-    @classmethod
-    def _k(cls, v: dict[str, int]) -> dict[str, int]:
-        for mode, k in v.items():
-            SpecMode.parse(mode)
-            if not 0 <= k <= 16:
-                raise ValueError(f"default_k[{mode}] must be in 0..16, got {k}")
-        return v
-
-    @model_validator(mode="after")
-    def _waits_within_the_deadline(self) -> "RouterConfig":
-        for name in ("first_token_timeout_s", "stream_idle_timeout_s"):
-            if getattr(self, name) > self.request_timeout_s:
-                raise ValueError(f"router.{name} ({getattr(self, name):g} s) exceeds router.request_timeout_s "
-                                 f"({self.request_timeout_s:g} s), so it could never fire; lower it or raise "
-                                 "request_timeout_s")
-        return self
-
-
-class RedisConfig(_Strict):
-    url: str = Field("redis://127.0.0.1:6390/0", description="Redis holding the tuning state.")
-    start_local: bool = Field(
-        True, description="`specserve up` starts a local redis-server on the URL's port if none answers."
-    )
-    socket_timeout_s: float = Field(0.05, gt=0, description="Per-call timeout; past it the router serves on defaults.")
-    key_prefix: str = Field("specserve:v3", description=(
-        "Namespace of every key; its version changes with the tuning cells' fields (v2 added the "
-        "accepted-run counts r{L}, v3 the steps and decode seconds per K s{K} / t{K}, which an "
-        "older reader would reject as unknown)."))
-    password_env: Optional[str] = Field(
-        "SPECSERVE_REDIS_PASSWORD",
-        description="Environment variable holding the Redis password (ACL user in the URL: redis://user@host/0).",
-    )
-    ca_file: Optional[str] = Field(None, description="rediss:// URLs: CA that signed the Redis server certificate.")
-    certfile: Optional[str] = Field(None, description="rediss:// URLs: client certificate (PEM), if Redis asks for one.")
-    keyfile: Optional[str] = Field(None, description="rediss:// URLs: key of `certfile`.")
-
-    @field_validator("url")
-    @classmethod
-    def _no_password(cls, v: str) -> str:
-        if urlsplit(v).password is not None:
-            raise ValueError("no password in the URL; put it in the environment variable named by password_env")
-        return v
-
-    @model_validator(mode="after")
-    def _tls_files(self) -> "RedisConfig":
-        if (self.ca_file or self.certfile) and urlsplit(self.url).scheme != "rediss":
-            raise ValueError("ca_file / certfile need a rediss:// url")
-        if bool(self.certfile) != bool(self.keyfile):
-            raise ValueError("certfile and keyfile go together")
-        return self
-
-
-class TlsConfig(_Strict):
-    certfile: Optional[str] = Field(None, description="PEM server certificate (chain): HTTPS and gRPC over TLS.")
-    keyfile: Optional[str] = Field(None, description="PEM private key of `certfile` (unencrypted).")
-    client_ca_file: Optional[str] = Field(
-        None, description="gRPC mTLS: callers must present a certificate signed by this CA (not possible on HTTP "
-                          "with Ray Serve 2.60).")
-    grpc_tls_port: int = Field(
-        9443, ge=1, le=65535, description="TLS gRPC port; it forwards to Ray's plaintext gRPC port (api.grpc_port), "
-                                          "which must then be closed to the network.")
-
-    @model_validator(mode="after")
-    def _pair(self) -> "TlsConfig":
-        if bool(self.certfile) != bool(self.keyfile):
-            raise ValueError("certfile and keyfile go together")
-        if self.client_ca_file and not self.certfile:
-            raise ValueError("client_ca_file needs certfile and keyfile")
-        return self
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.certfile)
-
-
-class AuthConfig(_Strict):
-    enabled: bool = Field(False, description="Require `Authorization: Bearer <key>` on every HTTP and gRPC call.")
-    api_keys_file: Optional[str] = Field(
-        None, description="Key file on every router node (e.g. a mounted Secret): one `label:key` or `key` per line, "
-                          "'#' comments; re-read within reload_interval_s of a change (rotation, revocation).")
-    api_keys_env: Optional[str] = Field(
-        "SPECSERVE_API_KEYS", description="Environment variable of the router replicas with comma-separated keys.")
-    reload_interval_s: float = Field(1.0, gt=0, le=60, description="How often the key file's mtime is looked at.")
-    allow_unauthenticated_health: bool = Field(
-        True, description="grpc.health.v1 Check/Watch answer without a key (probes, load balancers).")
-    allow_unauthenticated_reflection: bool = Field(
-        False, description="Keep gRPC reflection on with auth enabled (Ray's proxy serves it and cannot check keys).")
-
-    @model_validator(mode="after")
-    def _source(self) -> "AuthConfig":
-        if self.enabled and not (self.api_keys_file or self.api_keys_env):
-            raise ValueError("enabled needs api_keys_file or api_keys_env")
-        return self
-
-
-class LimitsConfig(_Strict):
-    """Size limits of the front doors, checked before a request costs more than its bytes."""
-
-    max_body_bytes: int = Field(
-        4 << 20, ge=1024, description=(
-            "HTTP: largest body of a JSON endpoint; a larger one gets 413 (refused from its Content-Length before "
-            "reading, or once that many bytes were read). Ray's HTTP proxy buffers a body before the router sees "
-            "it: bound bodies at the load balancer or ingress too."))
-    max_prompt_chars: int = Field(
-        256 << 10, ge=1, description=(
-            "Largest prompt in characters: `prompt`, or all `messages` contents together; more gets HTTP 413 / "
-            "gRPC INVALID_ARGUMENT. (Each prompt or message is also at most 256 Ki characters.)"))
-    grpc_max_message_bytes: int = Field(
-        8 << 20, ge=1024, le=(1 << 31) - 1, description=(
-            "gRPC: largest message either way; a larger one gets RESOURCE_EXHAUSTED from grpc before any of our "
-            "code runs. Set on Ray's gRPC proxy through Ray Serve's RAY_SERVE_GRPC_MAX_MESSAGE_SIZE (the "
-            "environment of the Ray nodes, which `specserve up` and the rendered manifests set) and on the TLS "
-            "listener."))
-
-
-class ApiConfig(_Strict):
-    host: str = Field("127.0.0.1", description="Address the HTTP and gRPC proxies listen on.")
-    http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
-    grpc_port: int = Field(9000, ge=0, le=65535, description="gRPC port (0 disables gRPC).")
-    tls: TlsConfig = Field(default_factory=TlsConfig, description="TLS of the HTTP and gRPC endpoints.")
-    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Size limits of requests at both doors.")
-
-
-class RayConfig(_Strict):
-    address: Optional[str] = Field(
-        None, description="Ray cluster to join ('auto', 'ray://...'); None starts a local one."
-    )
-    num_cpus: Optional[int] = Field(
-        None, ge=1, description="CPUs a local Ray cluster advertises (None: detect)."
-    )
-    metrics_export_port: Optional[int] = Field(
-        None, ge=1, le=65535, description="Prometheus port of a local Ray cluster's metrics agent (None: Ray picks)."
-    )
-    node_ip_address: Optional[str] = Field(
-        "127.0.0.1", description=(
-            "Address a local Ray cluster's processes bind to and advertise (GCS, raylet, object manager, workers: "
-            "Serve replicas unpickle what reaches them, unauthenticated). Loopback keeps all of it off the network; "
-            "the API is served on api.host either way. None: Ray picks this machine's address (other machines may "
-            "then join, and reach it)."))
-
-
-class ClusterConfig(_Strict):
+class ClusterConfig(Strict):
     name: str = Field("specserve", description="Ray Serve application name.")
     models: dict[str, ModelConfig] = Field(description="Models by served name.")
     pools: dict[str, PoolConfig] = Field(description="Engine pools by name.")

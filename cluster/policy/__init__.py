@@ -32,7 +32,7 @@ Words are those of `cluster.speculation`; in addition:
   counts both). The draftless ones (steps minus the exposure of draft position 0) are taken out
   for α: its estimate is accepted / (accepted + rejected drafting steps), the maximum-likelihood
   estimate under the geometric model truncated at the drafted length
-  (`cluster.tuning.increments_from_stats` counts the trials); p's is drafting steps / steps.
+  (`cluster.tuning_cells.increments_from_stats` counts the trials); p's is drafting steps / steps.
 - **step cost** (f, c): extra time of one step, relative to a plain step at the same load:
   step time(K) / step time(0) = 1 + f + c·K for K > 0, where c (cost per K) = verify cost (grows
   with batch size: verifying K more tokens per request is nearly free at batch 1 and not at batch

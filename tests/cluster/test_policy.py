@@ -25,7 +25,7 @@ from cluster.policy import (
 )
 from cluster.routing import PoolView
 from cluster.speculation import WORKLOAD_CLASSES, SpecMode, SpecStats
-from cluster.tuning import cell_from_requests, parse_cell
+from cluster.tuning_cells import cell_from_requests, parse_cell
 from cluster.vllm_scheduler import k_cap_for_batch
 
 ROUTER = RouterConfig()

@@ -18,8 +18,9 @@ from cluster.policy import TuningView, choose_auto
 from cluster.redis_server import free_port, start_local_redis
 from cluster.routing import Decision, PoolView
 from cluster.speculation import SpecMode, SpecStats
-from cluster.tuning import (
-    MAX_FIELDS, MalformedCell, TuningStore, cell_from_requests, cell_key, increments_from_stats, parse_cell,
+from cluster.tuning import TuningStore
+from cluster.tuning_cells import (
+    MAX_FIELDS, MalformedCell, cell_from_requests, cell_key, increments_from_stats, parse_cell,
 )
 from cluster.wire import Completion
 

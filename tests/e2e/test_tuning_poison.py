@@ -12,7 +12,7 @@ import httpx
 import pytest
 import redis
 
-from cluster.tuning import cell_key
+from cluster.tuning_cells import cell_key
 
 pytestmark = pytest.mark.engine
 

@@ -168,7 +168,7 @@ def _pod(settings: RenderSettings, cfg: ClusterConfig, group: NodeGroup, role: s
     env = [{"name": k, "value": v} for k, v in sorted(settings.env.items())]
     env += [
         {"name": "HOME", "value": "/tmp"},
-        # Ray starts workers (Serve replicas, so the engines) at nice 15 by default: see cluster/cli.py.
+        # Ray starts workers (Serve replicas, so the engines) at nice 15 by default: see cluster/up.py.
         {"name": "RAY_worker_niceness", "value": "0"},
         *({"name": k, "value": v} for k, v in sorted(ray_node_env(cfg).items())),  # e.g. the gRPC message-size bound
         {"name": "SPECSERVE_REDIS_PASSWORD",

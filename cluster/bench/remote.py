@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ray import serve
 
-    from cluster.cli import start_cluster, stop_cluster
+    from cluster.up import start_cluster, stop_cluster
 
     http, grpc, redis, metrics = (int(p) for p in args.ports.split(","))
     raw = bench_config(yaml.safe_load(Path(args.base).read_text()), http, grpc, redis, metrics, args.timeout_s)

@@ -1,4 +1,4 @@
-"""`cluster.cli.bounded`: a shutdown step that hangs or raises does not stop the rest of the
+"""`cluster.up.bounded`: a shutdown step that hangs or raises does not stop the rest of the
 shutdown (Ray's `serve.shutdown()` once waited forever on a killed controller in CI)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from cluster.cli import bounded
+from cluster.up import bounded
 
 
 def test_a_hanging_step_is_gone_past_after_its_bound(capsys):
@@ -41,7 +41,7 @@ def test_a_step_that_finishes_returns_true_at_once():
 
 _PROBE = r"""
 import os, signal, sys, time
-from cluster.cli import hold_signals_while_stopping, interrupt_on_signals
+from cluster.up import hold_signals_while_stopping, interrupt_on_signals
 print("inherited", signal.getsignal(signal.SIGINT) is signal.SIG_IGN, flush=True)
 {setup}
 try:

@@ -1,0 +1,225 @@
+"""`specserve up`'s lifecycle: start Redis, Ray, the Serve application (bounded by a wait), serve until a
+signal, and stop everything it started, even when start-up fails or is interrupted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+RAY_WORKER_NICENESS_ENV = "RAY_worker_niceness"  # Ray's own setting (ray_constants.RAY_WORKER_NICENESS)
+
+
+def start_cluster(config_path: str, wait_s: float = 900.0):
+    """Start Redis (if local), Ray and the Serve application; return (config, redis handle)."""
+    import ray
+    from ray import serve
+    from ray.serve import api as serve_api
+    from ray.serve.config import gRPCOptions, HTTPOptions
+
+    from cluster.config import load_config
+    from cluster.models import prepare_all
+    from cluster.deadline import proxy_timeout_s
+    from cluster.placement import (
+        GRPC_SERVICER_FUNCTIONS, grpc_message_options, grpc_reflection, ray_init_kwargs, ray_node_env,
+    )
+    from deployments.app import build_app
+
+    config = load_config(config_path)  # 1. fail fast on a bad config
+    print(f"[specserve] config {config_path}: {len(config.pools)} pools, models {config.served_models()}")
+    t0 = time.monotonic()
+    paths = prepare_all(config)  # 2. model files, once (cached)
+    print(f"[specserve] models ready in {time.monotonic() - t0:.1f} s: {paths}")
+    redis_handle = _start_redis(config)  # 3. tuning state
+    forwarder = None
+    try:
+        # 4. Ray: join a cluster or start a local one
+        local = not config.ray.address
+        if local:
+            # Ray starts its workers at nice 15, and Serve replicas are workers: the vLLM engine of a
+            # replica then yields its core to any ordinary process (a client, a neighbour's server),
+            # stalled past its health check while a stock vLLM server started beside it, and ran at
+            # ~60% of a stock server's speed side by side (BENCHMARKS.md, serving path). The engine
+            # is the workload here, so workers run at the normal priority (read by the raylet).
+            os.environ.setdefault(RAY_WORKER_NICENESS_ENV, "0")
+            # Read by the workers the raylet starts: the gRPC proxy's message-size bound (a joined
+            # cluster's nodes must have it in their own environment, as the rendered manifests do).
+            os.environ.update(ray_node_env(config))
+        # A local Ray binds to loopback (ray.node_ip_address): its processes take unauthenticated calls.
+        ray.init(**ray_init_kwargs(config, pythonpath=str(Path(__file__).resolve().parents[1])))
+        interrupt_on_signals()  # ray.init replaced the SIGTERM handler with its own (sys.exit)
+        tls = config.api.tls
+        http_tls = {}
+        if tls.enabled:
+            from cluster.tls import http_tls_options
+
+            http_tls = http_tls_options(tls.certfile, tls.keyfile)  # fails here on a bad certificate or key
+        grpc = None
+        timeout_s = proxy_timeout_s(config.router.request_timeout_s)  # the proxies' backstop to the router's deadline
+        if config.api.grpc_port:
+            grpc = gRPCOptions(port=config.api.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS,
+                               enable_reflection=grpc_reflection(config), request_timeout_s=timeout_s)
+        serve.start(http_options=HTTPOptions(host=config.api.host, port=config.api.http_port, request_timeout_s=timeout_s,
+                                             **http_tls), grpc_options=grpc)
+        if grpc is not None and tls.enabled:  # Ray's gRPC proxy has no TLS: a TLS listener in front of it
+            from cluster.tls import GrpcTlsForwarder, grpc_server_credentials
+
+            forwarder = GrpcTlsForwarder(f"{config.api.host}:{tls.grpc_tls_port}", f"127.0.0.1:{config.api.grpc_port}",
+                                         grpc_server_credentials(tls.certfile, tls.keyfile, tls.client_ca_file),
+                                         options=grpc_message_options(config)).start()
+        print("[specserve] deploying (engine start-up takes about a minute per engine on a small CPU)...")
+        t0 = time.monotonic()
+        # serve.run waits for the application without a bound; its non-waiting form returns once
+        # the deployments are submitted, and _wait_ready bounds start-up by --wait-s (a start-up
+        # that overruns is stopped below, engines included). Private in Ray 2.60 (pinned).
+        serve_api._run(build_app({"config_path": config_path}), _blocking=False, name=config.name, route_prefix="/")
+        _wait_ready(config, wait_s)
+        scheme = "https" if tls.enabled else "http"
+        grpc_at = f"{config.api.host}:{tls.grpc_tls_port} (TLS)" if forwarder else f"{config.api.host}:{config.api.grpc_port}"
+        print(f"[specserve] serving in {time.monotonic() - t0:.0f} s: HTTP {scheme}://{config.api.host}:{config.api.http_port}"
+              + (f"  gRPC {grpc_at}" if config.api.grpc_port else ""))
+    except BaseException:  # a failed or interrupted start-up stops what it started
+        hold_signals_while_stopping()
+        print("[specserve] start-up did not finish: stopping what was started", file=sys.stderr)
+        stop_cluster(redis_handle, forwarder)
+        raise
+    return config, redis_handle, forwarder
+
+
+def _start_redis(config):
+    if not config.redis.start_local:
+        return None
+    try:
+        from cluster.redis_server import ensure_local_redis
+    except ImportError:
+        return None
+    handle = ensure_local_redis(config.redis.url)
+    print(f"[specserve] redis at {config.redis.url}")
+    return handle
+
+
+def _wait_ready(config, wait_s: float) -> None:
+    from ray import serve
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(config.name)
+        state = getattr(app, "status", None)
+        if state == "RUNNING":
+            return
+        if state in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise RuntimeError(f"application {config.name} failed: {app.message}")
+        time.sleep(2)
+    raise TimeoutError(f"application {config.name} not running after {wait_s:.0f} s")
+
+
+SERVE_SHUTDOWN_S = 60.0
+
+
+def bounded(fn, timeout_s: float, what: str) -> bool:
+    """Run `fn` in a daemon thread and wait at most `timeout_s` for it: True if it returned, False
+    (with a line on stderr) if it raised or is still running, which the caller then goes past.
+    Ray 2.60's `serve.shutdown()` can wait forever: once its controller is killed, the controller's
+    `graceful_shutdown` task is retried without end ("infinite retries remaining"), seen once in CI
+    on an interrupted start-up; `ray.shutdown()` and the reaper stop what it leaves."""
+    outcome: list[BaseException] = []
+
+    def run():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - reported, then the caller goes on stopping
+            outcome.append(e)
+
+    t = threading.Thread(target=run, daemon=True, name=what)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        print(f"[specserve] {what} did not finish in {timeout_s:.0f} s: going on with the shutdown", file=sys.stderr)
+        return False
+    if outcome:
+        print(f"[specserve] {what} failed: {outcome[0]!r}: going on with the shutdown", file=sys.stderr)
+        return False
+    return True
+
+
+def stop_cluster(redis_handle=None, forwarder=None, serve_timeout_s: float = SERVE_SHUTDOWN_S) -> None:
+    import ray
+    from ray import serve
+
+    try:
+        if forwarder is not None:
+            forwarder.stop()
+        if ray.is_initialized():
+            bounded(serve.shutdown, serve_timeout_s, "serve.shutdown")
+    finally:
+        ray.shutdown()
+        if redis_handle is not None:
+            redis_handle.stop()
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def interrupt_on_signals() -> None:
+    """Make SIGINT and SIGTERM raise KeyboardInterrupt in the main thread, whatever their
+    disposition was. A process started from a shell script's background job (`specserve up &`
+    without job control, as CI runs its tests) inherits SIGINT *ignored*, and Python then leaves it
+    ignored: an interrupt during start-up did nothing, the cluster came up anyway (in CI the
+    lifecycle test's interrupt was acted on only once `up` had installed its serving-time handler,
+    3 minutes later). SIGTERM is handled the same way so a start-up stopped by a process
+    manager also stops what it started (its default would kill `up` and leave Redis running)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _raise_interrupt)
+
+
+def hold_signals_while_stopping() -> None:
+    """A second Ctrl-C while stopping must not cut the stop short (and leave Redis or engines
+    running): say so and go on."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda *_: print("[specserve] already stopping", file=sys.stderr))
+
+
+def cmd_up(args) -> int:
+    from cluster import reaper
+    from cluster.config import ConfigError
+    from cluster.tls import TlsConfigError
+
+    interrupt_on_signals()
+    reaper.become_subreaper()  # an engine its Ray worker orphans is re-parented here, not to init
+    try:
+        try:
+            _, redis_handle, forwarder = start_cluster(args.config, wait_s=args.wait_s)
+        except (ConfigError, TlsConfigError) as e:
+            print(f"specserve up: {e}", file=sys.stderr)
+            return 2
+        except (RuntimeError, TimeoutError) as e:
+            print(f"specserve up: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt as e:
+            print(f"specserve up: interrupted during start-up ({e or 'SIGINT'})", file=sys.stderr)
+            return 130
+        stop = threading.Event()
+        try:
+            for sig in STOP_SIGNALS:  # serving: a signal asks the loop below to stop
+                signal.signal(sig, lambda *_: stop.set())
+            print("[specserve] press Ctrl-C to stop")
+            while not stop.wait(1.0):
+                pass
+        except KeyboardInterrupt:
+            pass  # a signal in the instant before these handlers replaced the start-up's: stop all the same
+        print("[specserve] stopping")
+        hold_signals_while_stopping()
+        stop_cluster(redis_handle, forwarder)
+        return 0
+    finally:
+        left = reaper.reap_descendants()
+        if left:
+            print(f"[specserve] stopped {len(left)} processes the shutdown left behind: {reaper.describe(left)}",
+                  file=sys.stderr)

@@ -2,7 +2,8 @@
 
 import pytest
 
-from cluster.bench.report import _router_lines, router_verdict
+from cluster.bench.report import _router_lines
+from cluster.bench.router_verdict import router_verdict
 
 
 def _row(tok_s, tasks):

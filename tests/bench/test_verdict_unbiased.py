@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from cluster.bench.metrics import Sample
-from cluster.bench.report import (_router_lines, build_summary, cross_validated_best, load_samples,
-                                  paired_bootstrap_ci, render_markdown, router_verdict, write_results)
+from cluster.bench.report import _router_lines, build_summary, load_samples, render_markdown, write_results
+from cluster.bench.router_verdict import cross_validated_best, paired_bootstrap_ci, router_verdict
 
 A, B = "ngram:2", "ngram:4"
 

@@ -23,6 +23,7 @@ from cluster.tuning_cells import (
     MAX_FIELDS, MalformedCell, cell_from_requests, cell_key, increments_from_stats, parse_cell,
 )
 from cluster.wire import Completion
+from tests.waiting import wait_until
 
 PREFIX = "specserve:v3"
 POOLS = [PoolView(name="ngram", model="m", method=SpecMode.NGRAM, max_k=6),
@@ -38,13 +39,6 @@ def p99_ms(samples_s):
     return statistics.quantiles(samples_s, n=100)[98] * 1e3
 
 
-def wait_until(cond, timeout_s, step_s=0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(step_s)
-    return cond()
 
 
 # -- pure: keys, increments, validation -----------------------------------------------------------

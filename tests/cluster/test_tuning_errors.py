@@ -12,6 +12,7 @@ import redis
 from cluster.config import RedisConfig
 from cluster.speculation import SpecStats
 from cluster.tuning import MAX_MODELS, TuningStore, redis_error_kind
+from tests.waiting import wait_until
 
 PREFIX = "specserve:v3"
 
@@ -21,13 +22,6 @@ def stats() -> SpecStats:
                      drafted_per_position=[10, 10, 10])
 
 
-def wait_until(cond, timeout_s, step_s=0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(step_s)
-    return cond()
 
 
 def requests_in(client, model="m") -> int:

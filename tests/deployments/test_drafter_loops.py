@@ -11,13 +11,9 @@ import time
 
 from cluster.draft_wire import recv_frame, send_frame
 from deployments.drafter import Drafter, DraftServer
+from tests.waiting import wait_until
 
 
-def wait_until(cond, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not cond():
-        time.sleep(0.01)
-    return cond()
 
 
 def server():

@@ -19,26 +19,11 @@ from deployments.engine import EngineChunk
 from deployments.router import Router
 from specserve.v1 import specserve_pb2 as pb
 from tests.deployments.test_router import FINAL, FakeCall, FakeHandle
+from tests.deployments.test_router_auth import Ctx  # a gRPC context double; no metadata by default
 
 CONFIG = Path(__file__).resolve().parents[2] / "cluster" / "configs" / "local-cpu.yaml"
 MODEL = "smollm2-135m"
 
-
-class Ctx:
-    def __init__(self):
-        self.code, self.details = None, None
-
-    def invocation_metadata(self):
-        return []
-
-    def set_code(self, c):
-        self.code = c
-
-    def set_details(self, d):
-        self.details = d
-
-    def set_trailing_metadata(self, md):
-        pass
 
 
 def make_router(tuning=None, **limits):

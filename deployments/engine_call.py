@@ -61,8 +61,8 @@ async def engine_chunks(handle: Any, bounds: Bounds, deadline_s: float, d: Decis
 
 def map_error(e: Exception, rid: str, d: Decision) -> ApiError:
     """Ray / vLLM failures -> typed API errors (Ray's task errors are also instances of the cause)."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, TaskCancelledError
-    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
+    from ray.exceptions import TaskCancelledError
+    from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
     if isinstance(e, BackPressureError):
         return ApiError(ErrorCode.RESOURCE_EXHAUSTED, f"pool {d.pool!r} is overloaded; retry later",
@@ -72,7 +72,7 @@ def map_error(e: Exception, rid: str, d: Decision) -> ApiError:
     if isinstance(e, ValueError):  # vLLM input validation (e.g. prompt longer than the context)
         return ApiError(ErrorCode.INVALID_ARGUMENT, f"prompt: {str(e).strip().splitlines()[-1][:300]}",
                         field="prompt")
-    if isinstance(e, (DeploymentUnavailableError, ActorDiedError, ActorUnavailableError, RayActorError)):
+    if _replica_gone(e):
         return ApiError(ErrorCode.UNAVAILABLE, f"engine replica unavailable ({type(e).__name__})",
                         retry_after_s=RETRY_AFTER_S)
     log.exception("request %s (pool %s, mode %s, k %d) failed", rid, d.pool, d.mode.value, d.k)

@@ -20,6 +20,7 @@ from cluster.config import PoolConfig
 from cluster.placement import platform_engine_kwargs
 from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP, SpecMode, SpecStats, accepted_runs
 from cluster.vllm_scheduler import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS_PATH, STEP_K_MAX_BATCH_KEY
+from deployments.engine_death import EngineDead, engine_died, retire_process
 
 log = logging.getLogger("specserve.engine")
 
@@ -157,7 +158,11 @@ def stats_from_output(mode: str, k: int, completion_tokens: int, metrics: Any) -
 
 
 class EngineServer:
-    """One engine replica: owns an AsyncLLM, serves EngineRequests as streams of EngineChunks."""
+    """One engine replica: owns an AsyncLLM, serves EngineRequests as streams of EngineChunks.
+
+    Once its engine core is known dead (`deployments.engine_death`), every call fails at once with
+    `EngineDead` and `retire` runs, once: by default, when the server started its own engine, the
+    replica's process ends after a short grace so that Ray Serve replaces it."""
 
     def __init__(
         self,
@@ -170,11 +175,16 @@ class EngineServer:
         trust_remote_code: bool = False,
         engine: Any = None,
         drafter_endpoint: Optional[Callable[[], Awaitable[str]]] = None,
+        retire: Optional[Callable[[], Any]] = None,
     ):
         self.pool_name = pool_name
         self.pool = pool
         self.served_name = served_name
         self.replica = f"{pool_name}-{id(self):x}"
+        if retire is None:  # an injected engine (tests) is not this process's to end with
+            retire = retire_process if engine is None else (lambda: None)
+        self._retire = retire
+        self._dead: Optional[str] = None  # why the engine is known dead
         if engine is None:
             engine = self._start_engine(engine_kwargs(pool, model_path, drafter_path, served_name, dtype,
                                                       trust_remote_code=trust_remote_code))
@@ -227,6 +237,7 @@ class EngineServer:
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
         """Stream the completion of `req`. Cancelling the consumer aborts the request in vLLM."""
+        self._check_alive()
         self._ensure_drafter_watch()
         if req.k > self.pool.max_k:
             raise ValueError(f"k={req.k} exceeds pool {self.pool_name!r} max_k={self.pool.max_k}")
@@ -264,25 +275,61 @@ class EngineServer:
                     pending, pending_tokens, sent_any, t_sent = [], 0, True, time.monotonic()
 
     async def _engine_outputs(self, prompt: str, params: Any, request_id: str):
-        """vLLM's output stream, with its input-validation errors turned into EngineInputError."""
+        """vLLM's output stream, with its input-validation errors turned into EngineInputError and
+        the death of its engine core (before or during the stream) into EngineDead."""
         from vllm.exceptions import VLLMClientError
 
         try:
             async with aclosing(self.engine.generate(prompt, params, request_id)) as outs:
                 async for out in outs:
                     yield out
-        except (VLLMClientError, ValueError) as e:
-            raise EngineInputError(str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__) from None
+        except Exception as e:  # noqa: BLE001 - sorted below; anything else is re-raised as is
+            if engine_died(e, self._errored()):
+                raise self._engine_dead(f"{type(e).__name__} in generate") from None
+            if isinstance(e, (VLLMClientError, ValueError)):
+                raise EngineInputError(str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__) from None
+            raise
+
+    # -- engine death (deployments.engine_death) ---------------------------------------------------
+
+    def _errored(self) -> bool:
+        return bool(getattr(self.engine, "errored", False))  # AsyncLLM's; a test double may lack it
+
+    def _engine_dead(self, why: str) -> EngineDead:
+        """Note that the engine is dead (the first time: log it and retire) and return the error
+        every call gets from now on."""
+        if self._dead is None:
+            self._dead = why
+            log.error("pool %s: the vLLM engine core of replica %s died (%s); failing its calls and "
+                      "retiring the replica", self.pool_name, self.replica, why)
+            try:
+                self._retire()
+            except Exception:  # noqa: BLE001 - the calls fail with EngineDead regardless
+                log.exception("pool %s: retiring replica %s failed", self.pool_name, self.replica)
+        return EngineDead(f"pool {self.pool_name!r}: the engine core of replica {self.replica} died ({self._dead})")
+
+    def _check_alive(self) -> None:
+        """EngineDead if the engine is known dead, or vLLM now reports it errored."""
+        if self._dead is None and self._errored():
+            self._engine_dead("vLLM reports the engine errored")
+        if self._dead is not None:
+            raise self._engine_dead(self._dead)
 
     async def load(self) -> dict[str, Any]:
-        """Live load of this replica (cheap, non-blocking)."""
+        """Live load of this replica (cheap, non-blocking). The router asks four times a second, so
+        an idle replica notices here that its engine died (and retires)."""
+        try:
+            self._check_alive()
+        except EngineDead:
+            pass  # the report still answers; `engine_dead` says it
         out = {
             "pool": self.pool_name,
             "replica": self.replica,
             "unfinished": self.engine.get_num_unfinished_requests(),
             "max_k": self.pool.max_k,
+            **({"engine_dead": True} if self._dead is not None else {}),
         }
-        if self.pool.method == SpecMode.REMOTE_DRAFT:
+        if self.pool.method == SpecMode.REMOTE_DRAFT and self._dead is None:
             try:
                 out["remote_drafter"] = await self.drafter_status()
             except TimeoutError as e:  # the load report stays cheap and answers
@@ -338,9 +385,16 @@ class EngineServer:
     async def check_health(self) -> None:
         """Ray Serve's health check: the engine's own check every time, and a real 1-token
         generation at most every `health_probe_interval_s`, bounded by `health_probe_timeout_s`,
-        so a silently dead or stalled engine fails the check and Ray Serve replaces the replica."""
+        so a silently dead or stalled engine fails the check and Ray Serve replaces the replica. A
+        dead engine core fails it at once (EngineDead), and the replica retires."""
+        self._check_alive()
         self._ensure_drafter_watch()
-        await self.engine.check_health()
+        try:
+            await self.engine.check_health()
+        except Exception as e:  # noqa: BLE001 - a dead engine is EngineDead; other failures as they are
+            if engine_died(e, self._errored()):
+                raise self._engine_dead(f"{type(e).__name__} in check_health") from None
+            raise
         now = time.monotonic()
         if now - self._last_probe_ok < self.pool.health_probe_interval_s:
             return

@@ -1,6 +1,6 @@
 """One request's call to an engine pool, from the router: every wait bounded (`cluster.deadline`),
-one retry when a replica dies before any output, an unfinished call cancelled (which aborts it in
-vLLM), and Ray's and vLLM's failures mapped to typed API errors.
+one retry when a replica (or its vLLM engine core) dies before any output, an unfinished call
+cancelled (which aborts it in vLLM), and Ray's and vLLM's failures mapped to typed API errors.
 
 The engine handle is injected (a Ray Serve DeploymentHandle, or a test double with its call shape:
 `handle.options(stream=True).generate.remote(req)` -> async iterator with cancel()).
@@ -17,8 +17,13 @@ from cluster.api import ApiError, ErrorCode
 from cluster.deadline import RETRY_AFTER_S, Bounds, engine_wait, expired
 from cluster.decision import Decision
 from deployments.engine import EngineChunk, EngineRequest
+from deployments.engine_death import RETIRE_GRACE_S, EngineDead
 
 log = logging.getLogger("specserve.router")
+
+# A replica whose engine died answers EngineDead until its process ends (RETIRE_GRACE_S later); a
+# retry sent after that finds Serve routing around the dead actor instead of back into it.
+DEAD_ENGINE_RETRY_PAUSE_S = 2 * RETIRE_GRACE_S
 
 
 async def engine_chunks(handle: Any, bounds: Bounds, deadline_s: float, d: Decision, ereq: EngineRequest,
@@ -26,9 +31,10 @@ async def engine_chunks(handle: Any, bounds: Bounds, deadline_s: float, d: Decis
     """The engine's chunks for one request, with every wait bounded (`cluster.deadline`): the first
     chunk within router.first_token_timeout_s, each later one within router.stream_idle_timeout_s
     (else UNAVAILABLE), and all of it before `deadline_s` (monotonic; else DEADLINE_EXCEEDED). A
-    replica that dies before the first chunk is retried once on the pool (nothing was delivered
-    yet), within the same deadline; after that the stream ends with UNAVAILABLE. An unfinished
-    call is cancelled, which aborts the request in vLLM and frees its KV cache."""
+    replica (or its engine core) that dies before the first chunk is retried once on the pool
+    (nothing was delivered yet), within the same deadline (`retry_pause_s`); after that the stream
+    ends with UNAVAILABLE. An unfinished call is cancelled, which aborts the request in vLLM and
+    frees its KV cache."""
     for attempt in (1, 2):
         gen = handle.options(stream=True).generate.remote(ereq)
         started = done = False
@@ -50,13 +56,35 @@ async def engine_chunks(handle: Any, bounds: Bounds, deadline_s: float, d: Decis
                 yield chunk
             return
         except Exception as e:  # noqa: BLE001 - re-raised unless a safe retry applies
-            if started or attempt == 2 or not _replica_gone(e):
+            pause = retry_pause_s(e, started, attempt, deadline_s - time.monotonic())
+            if pause is None:
                 raise
             log.warning("request %s: engine replica of pool %s failed before output (%s); retrying once",
-                        ereq.request_id, d.pool, type(e).__name__)
+                        ereq.request_id, d.pool, "engine core died" if isinstance(e, EngineDead) else type(e).__name__)
+            _cancel(gen, ereq.request_id)
+            done = True  # nothing left to cancel in `finally`
+            await asyncio.sleep(pause)
         finally:
             if not done:
                 _cancel(gen, ereq.request_id)
+
+
+def retry_pause_s(e: BaseException, started: bool, attempt: int, left_s: float) -> float | None:
+    """How long to wait before retrying an engine call that failed with `e`, or None for no retry:
+    only the first attempt, only before any output, only when the replica is gone; after an engine
+    core's death, DEAD_ENGINE_RETRY_PAUSE_S (the dying replica's grace), cut to what is left of the
+    deadline (`left_s`).
+
+    >>> retry_pause_s(EngineDead("x"), False, 1, 60.0), retry_pause_s(EngineDead("x"), False, 1, 0.25)
+    (1.0, 0.25)
+    >>> retry_pause_s(EngineDead("x"), True, 1, 60.0), retry_pause_s(EngineDead("x"), False, 2, 60.0)
+    (None, None)
+    >>> retry_pause_s(RuntimeError("x"), False, 1, 60.0) is None
+    True
+    """
+    if started or attempt != 1 or not _replica_gone(e):
+        return None
+    return max(min(DEAD_ENGINE_RETRY_PAUSE_S, left_s), 0.0) if isinstance(e, EngineDead) else 0.0
 
 
 def map_error(e: Exception, rid: str, d: Decision) -> ApiError:
@@ -72,6 +100,9 @@ def map_error(e: Exception, rid: str, d: Decision) -> ApiError:
     if isinstance(e, ValueError):  # vLLM input validation (e.g. prompt longer than the context)
         return ApiError(ErrorCode.INVALID_ARGUMENT, f"prompt: {str(e).strip().splitlines()[-1][:300]}",
                         field="prompt")
+    if isinstance(e, EngineDead):  # also Ray's task error carrying it
+        return ApiError(ErrorCode.UNAVAILABLE, f"pool {d.pool!r}: the engine of the replica serving the request "
+                                               "died; the pool is replacing it", retry_after_s=RETRY_AFTER_S)
     if _replica_gone(e):
         return ApiError(ErrorCode.UNAVAILABLE, f"engine replica unavailable ({type(e).__name__})",
                         retry_after_s=RETRY_AFTER_S)
@@ -80,10 +111,13 @@ def map_error(e: Exception, rid: str, d: Decision) -> ApiError:
 
 
 def _replica_gone(e: BaseException) -> bool:
+    """The replica cannot serve the call: its actor died or is unreachable, the deployment has no
+    replica, or its vLLM engine core died (EngineDead, as Ray's task error carrying it)."""
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
     from ray.serve.exceptions import DeploymentUnavailableError
 
-    return isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError))
+    return isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError,
+                          EngineDead))
 
 
 def _cancel(gen: Any, rid: str) -> None:

@@ -1,20 +1,33 @@
 """The death of a replica's vLLM engine core (`deployments.engine_death`), without Ray: the replica
-fails every call at once with EngineDead, its health check fails at once and it retires (once).
-Engines are test doubles with AsyncLLM's call shape raising vLLM's own EngineDeadError."""
+fails every call at once with EngineDead, its health check fails at once and it retires (once); the
+router retries a call that sent no output, answers UNAVAILABLE / 503 with Retry-After otherwise, and
+never INTERNAL / 500, also mid-stream. Engines are test doubles with AsyncLLM's call shape raising
+vLLM's own EngineDeadError; the router sees the replica's error as Ray delivers it (a RayTaskError
+that is also an instance of the cause). tests/e2e/test_chaos.py kills a real engine core."""
 
 from __future__ import annotations
 
 import asyncio
+import doctest
+import json
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import grpc
 import pytest
+from ray.exceptions import RayTaskError
+from starlette.requests import Request
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
+import deployments.engine_call as engine_call
+from cluster.api import ApiError
 from cluster.config import load_config
-from deployments.engine import EngineInputError, EngineRequest, EngineServer
+from deployments.engine import EngineChunk, EngineInputError, EngineRequest, EngineServer
 from deployments.engine_death import RETIRE_EXIT_CODE, EngineDead, engine_died, retire_process
+from specserve.v1 import specserve_pb2 as pb
+from tests.deployments.test_router import BODY, FINAL, FakeCall, make_router, post
+from tests.deployments.test_router_auth import Ctx
 
 POOL = load_config(Path(__file__).resolve().parents[2] / "cluster" / "configs" / "local-cpu.yaml").pools["ngram"]
 
@@ -144,3 +157,107 @@ def test_a_replica_that_started_its_own_engine_retires_its_process(monkeypatch):
     assert s._retire is retire_process
     injected, _ = replica(DyingEngine())
     assert injected._retire is not retire_process
+
+
+# -- the router -----------------------------------------------------------------------------------
+
+def as_ray_delivers(e: Exception) -> Exception:
+    """The replica's exception as a DeploymentHandle raises it in the router."""
+    return RayTaskError("generate", f"Traceback (most recent call last):\n{type(e).__name__}: {e}",
+                        e).as_instanceof_cause()
+
+
+def dead() -> Exception:
+    return as_ray_delivers(EngineDead("pool 'ngram': the engine core of replica ngram-1 died (EngineDeadError)"))
+
+
+class DyingCall(FakeCall):
+    """Sends its chunks, then fails with `error` (the engine core died mid-stream)."""
+
+    async def __anext__(self):
+        if self.chunks:
+            return self.chunks.pop(0)
+        raise self.error
+
+    def cancel(self):
+        self.cancelled = True
+
+
+@pytest.fixture
+def short_pause(monkeypatch):
+    monkeypatch.setattr(engine_call, "DEAD_ENGINE_RETRY_PAUSE_S", 0.05)
+
+
+def test_death_before_output_is_retried_after_the_replicas_grace(short_pause):
+    calls = iter([FakeCall(error=dead()), FakeCall([FINAL])])
+    router, handles = make_router(lambda: next(calls))
+    t0 = time.monotonic()
+    r = post(router, BODY)
+    assert r.status_code == 200 and json.loads(r.body)["specserve"]["replica"] == "r2"
+    assert len(handles["ngram"].calls) == 2 and time.monotonic() - t0 >= 0.05
+    assert router.inflight == {"ngram": 0, "draft": 0}
+
+
+def test_death_on_the_retry_too_is_503_with_retry_after_never_500(short_pause):
+    router, handles = make_router(lambda: FakeCall(error=dead()))
+    r = post(router, BODY)
+    err = json.loads(r.body)["error"]
+    assert r.status_code == 503 and r.headers["retry-after"] == "1" and len(handles["ngram"].calls) == 2
+    assert err["code"] == "unavailable" and "engine of the replica serving the request died" in err["message"]
+
+
+class TrailingCtx(Ctx):
+    def set_trailing_metadata(self, md):
+        self.trailing = dict(md)
+
+
+def test_death_is_grpc_unavailable_with_a_retry_hint(short_pause):
+    router, _ = make_router(lambda: FakeCall(error=dead()))
+    ctx = TrailingCtx()
+    req = pb.GenerateRequest(prompt="hi", speculative=pb.SpeculativeOverride(mode="ngram", k=2))
+    with pytest.raises(ApiError):
+        asyncio.run(router.Generate(req, ctx))
+    assert ctx.code == grpc.StatusCode.UNAVAILABLE and "died" in ctx.details and ctx.trailing["retry-after-s"]
+
+
+def _mid_stream_router():
+    return make_router(lambda: DyingCall([EngineChunk(text="a", token_ids=[1], replica="r1")], error=dead()))
+
+
+def test_death_mid_stream_is_grpc_unavailable_and_not_retried():
+    router, handles = _mid_stream_router()
+    ctx = TrailingCtx()
+    req = pb.GenerateRequest(prompt="hi", speculative=pb.SpeculativeOverride(mode="ngram", k=2))
+    got = []
+
+    async def stream():
+        async for m in router.GenerateStream(req, ctx):
+            got.append(m)
+    with pytest.raises(ApiError):
+        asyncio.run(asyncio.wait_for(stream(), timeout=10))  # never a hang
+    assert [m.text for m in got] == ["a"] and ctx.code == grpc.StatusCode.UNAVAILABLE
+    assert len(handles["ngram"].calls) == 1  # output was sent: no retry
+
+
+def test_death_mid_stream_is_an_unavailable_error_event_over_http():
+    router, handles = _mid_stream_router()
+    raw = json.dumps({**BODY, "stream": True}).encode()
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+             "headers": [(b"content-type", b"application/json")], "query_string": b"", "scheme": "http",
+             "server": ("x", 80), "root_path": ""}
+
+    async def receive():
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    async def run():
+        r = await router(Request(scope, receive))
+        assert r.status_code == 200  # the first token went out before the death
+        return "".join([c if isinstance(c, str) else c.decode() async for c in r.body_iterator])
+    text = asyncio.run(asyncio.wait_for(run(), timeout=10))
+    events = [json.loads(line[6:]) for line in text.split("\n\n") if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "unavailable" and text.endswith("data: [DONE]\n\n")
+    assert len(handles["ngram"].calls) == 1
+
+
+def test_engine_call_doctests():
+    assert doctest.testmod(engine_call).failed == 0

@@ -293,7 +293,7 @@ class EngineServer:
     # -- engine death (deployments.engine_death) ---------------------------------------------------
 
     def _errored(self) -> bool:
-        return bool(getattr(self.engine, "errored", False))  # AsyncLLM's; a test double may lack it
+        return getattr(self.engine, "errored", False) is True  # AsyncLLM's bool; a test double may lack it
 
     def _engine_dead(self, why: str) -> EngineDead:
         """Note that the engine is dead (the first time: log it and retire) and return the error

@@ -408,6 +408,8 @@ class EngineServer:
         self._last_probe_ok = time.monotonic()
 
     def __del__(self):
+        if getattr(self, "_dead", "") is None:  # a stopped engine is not a dead one: nothing to retire
+            self._dead = "the replica is shutting down"
         engine = getattr(self, "engine", None)
         if engine is not None and hasattr(engine, "shutdown"):
             try:

@@ -137,6 +137,16 @@ def test_other_engine_errors_are_not_death():
     assert isinstance(err, EngineInputError) and retired == []
 
 
+def test_a_replica_shutting_down_does_not_retire():
+    engine = DyingEngine()
+    engine.shutdown = lambda: setattr(engine, "errored", True)  # AsyncLLM.shutdown marks the engine dead
+    s, retired = replica(engine)
+    s.__del__()
+    with pytest.raises(EngineDead, match="shutting down"):
+        asyncio.run(s.check_health())
+    assert retired == []
+
+
 def test_engine_died():
     assert engine_died(EngineDeadError(), errored=False)
     assert engine_died(RuntimeError("anything"), errored=True)

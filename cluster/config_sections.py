@@ -218,3 +218,8 @@ class RayConfig(Strict):
             "Serve replicas unpickle what reaches them, unauthenticated). Loopback keeps all of it off the network; "
             "the API is served on api.host either way. None: Ray picks this machine's address (other machines may "
             "then join, and reach it)."))
+    pin_serving_cpus: bool = Field(
+        False, description=(
+            "A local cluster on vLLM's CPU backend: keep the serving processes (proxies, router, replicas' front "
+            "ends, engine-core schedulers, Ray's daemons) on the cores vLLM leaves free of its model workers, so they "
+            "do not preempt a worker on its core (cluster/cpu_pinning.py). No effect on GPU engines or a joined cluster."))

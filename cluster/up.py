@@ -3,12 +3,15 @@ signal, and stop everything it started, even when start-up fails or is interrupt
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 RAY_WORKER_NICENESS_ENV = "RAY_worker_niceness"  # Ray's own setting (ray_constants.RAY_WORKER_NICENESS)
 
@@ -186,6 +189,29 @@ def hold_signals_while_stopping() -> None:
         signal.signal(sig, lambda *_: print("[specserve] already stopping", file=sys.stderr))
 
 
+def _pinner(config, every_s: float = 5.0):
+    """The serving loop's CPU pinning (`ray.pin_serving_cpus`, cluster/cpu_pinning.py): a call
+    that, every `every_s`, moves the local cluster's serving processes started since off the cores
+    vLLM's workers are bound to. A no-op when off or when this process joined a cluster."""
+    if not config.ray.pin_serving_cpus or config.ray.address:
+        return lambda: None
+    from cluster.cpu_pinning import pin_serving_processes
+
+    all_cpus = frozenset(os.sched_getaffinity(0))  # read before this process is itself moved
+    next_at = [0.0]
+
+    def pin() -> None:
+        if time.monotonic() < next_at[0]:
+            return
+        next_at[0] = time.monotonic() + every_s
+        try:
+            pin_serving_processes(all_cpus)
+        except Exception:  # noqa: BLE001 - pinning is an optimisation: serving goes on without it
+            log.exception("pinning the serving processes failed")
+
+    return pin
+
+
 def cmd_up(args) -> int:
     from cluster import reaper
     from cluster.config import ConfigError
@@ -195,7 +221,7 @@ def cmd_up(args) -> int:
     reaper.become_subreaper()  # an engine its Ray worker orphans is re-parented here, not to init
     try:
         try:
-            _, redis_handle, forwarder = start_cluster(args.config, wait_s=args.wait_s)
+            config, redis_handle, forwarder = start_cluster(args.config, wait_s=args.wait_s)
         except (ConfigError, TlsConfigError) as e:
             print(f"specserve up: {e}", file=sys.stderr)
             return 2
@@ -210,8 +236,9 @@ def cmd_up(args) -> int:
             for sig in STOP_SIGNALS:  # serving: a signal asks the loop below to stop
                 signal.signal(sig, lambda *_: stop.set())
             print("[specserve] press Ctrl-C to stop")
+            pin = _pinner(config)
             while not stop.wait(1.0):
-                pass
+                pin()
         except KeyboardInterrupt:
             pass  # a signal in the instant before these handlers replaced the start-up's: stop all the same
         print("[specserve] stopping")

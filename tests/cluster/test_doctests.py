@@ -9,7 +9,7 @@ import pytest
 
 MODULES = ["cluster.percentile", "cluster.policy.cells", "cluster.policy.model", "cluster.policy.cost", "cluster.policy.choice", "cluster.coalesce", "cluster.speculation", "cluster.routing", "cluster.autoscale", "cluster.vllm_scheduler", "cluster.step_k", "cluster.redis_server",
            "cluster.bench.runs_check", "cluster.bench.split", "cluster.bench.step_split", "cluster.bench.k_replay", "cluster.placement",
-           "cluster.teaching", "cluster.deadline"]
+           "cluster.teaching", "cluster.deadline", "cluster.cpu_pinning"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -1,0 +1,125 @@
+"""Keep a local cluster's serving processes off the cores vLLM's CPU workers compute on.
+
+vLLM's CPU backend binds each model worker (`VLLM::Worker`) to its own cores and leaves the rest
+("reserved_cpus" in its start-up log) to the processes around it. A stock vLLM server has few of
+those; a local cluster has many (Ray's proxies, the router, each replica's front end, the engine
+core's scheduler, Ray's own daemons), and they float over every core, so they preempt the model
+worker on its core at every request. With `ray.pin_serving_cpus` on, `specserve up` moves every
+thread of those processes onto the cores no worker is bound to, and does it again every few seconds
+for processes started since (a replaced replica, an autoscaled one).
+
+What is never moved (`plan`): the model workers, Ray's raylet and idle workers (the processes that
+start new replicas: a replica inherits their cores, and vLLM binds its worker inside the cores its
+replica was given, so a replica started on the reserved cores would compute there), and a replica
+or engine core whose worker has not started yet (for the same reason).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+WORKER = "VLLM::Worker"
+NEVER_MOVED = ("raylet", "ray::IDLE")  # they start replicas: a replica inherits their cores
+SPAWNS_WORKER = ("ray::ServeReplica", "VLLM::EngineCore")  # move only once their worker runs
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    name: str  # the process title (`ray::ProxyActor`, `VLLM::Worker`) or executable
+    cpus: frozenset[int]  # its affinity
+    has_worker: bool = False  # a VLLM::Worker is among its descendants
+
+
+def reserved_cpus(procs: list[Proc], all_cpus: frozenset[int]) -> frozenset[int]:
+    """The cores no model worker is bound to (empty if there is no worker, or the workers are not
+    bound: nothing to keep off then).
+
+    >>> w = Proc(9, "VLLM::Worker", frozenset({0}))
+    >>> sorted(reserved_cpus([w, Proc(1, "x", frozenset({0, 1}))], frozenset({0, 1})))
+    [1]
+    >>> reserved_cpus([Proc(9, "VLLM::Worker", frozenset({0, 1}))], frozenset({0, 1}))
+    frozenset()
+    >>> reserved_cpus([], frozenset({0, 1}))
+    frozenset()
+    """
+    bound = frozenset().union(*(p.cpus for p in procs if p.name.startswith(WORKER) and p.cpus != all_cpus))
+    return all_cpus - bound if bound else frozenset()
+
+
+def plan(procs: list[Proc], all_cpus: frozenset[int]) -> tuple[frozenset[int], list[int]]:
+    """(the reserved cores, the pids to move onto them): every process not yet on the reserved cores,
+    except the workers, the processes that start replicas, and a replica or engine core whose worker
+    has not started.
+
+    >>> W = lambda pid: Proc(pid, "VLLM::Worker", frozenset({0}))
+    >>> free = frozenset({0, 1})
+    >>> procs = [W(9), Proc(2, "ray::ProxyActor", free), Proc(3, "raylet", free), Proc(4, "ray::IDLE", free),
+    ...          Proc(5, "ray::ServeReplica:app:engine-ngram", free, has_worker=True),
+    ...          Proc(6, "ray::ServeReplica:app:engine-draft", free), Proc(7, "VLLM::EngineCore", free, True),
+    ...          Proc(8, "ray::ServeReplica:app:router", free), Proc(10, "gcs_server", frozenset({1}))]
+    >>> plan(procs, free)  # the router replica starts no engine: it moves at once
+    (frozenset({1}), [2, 5, 7, 8])
+    >>> plan([Proc(2, "ray::ProxyActor", free)], free)  # no bound worker: nothing to do
+    (frozenset(), [])
+    """
+    reserved = reserved_cpus(procs, all_cpus)
+    if not reserved:
+        return reserved, []
+    out = []
+    for p in procs:
+        if p.cpus <= reserved or p.name.startswith(WORKER) or p.name.startswith(NEVER_MOVED):
+            continue
+        if p.name.startswith(SPAWNS_WORKER) and not p.has_worker and not p.name.endswith(":router"):
+            continue
+        out.append(p.pid)
+    return reserved, out
+
+
+def _title(p: psutil.Process) -> str:
+    cmd = p.cmdline()
+    return cmd[0] if cmd else p.name()
+
+
+def _snapshot(root: psutil.Process) -> list[tuple[psutil.Process, Proc]]:
+    out = []
+    for p in [root] + root.children(recursive=True):
+        try:
+            title = _title(p)
+            has_worker = title.startswith(SPAWNS_WORKER) and any(
+                _title(c).startswith(WORKER) for c in p.children(recursive=True))
+            out.append((p, Proc(p.pid, title, frozenset(p.cpu_affinity()), has_worker)))
+        except psutil.Error:  # exited while we looked
+            continue
+    return out
+
+
+def pin_serving_processes(all_cpus: frozenset[int], root_pid: int | None = None) -> int:
+    """Move the serving processes under `root_pid` (default: this process) onto the cores of
+    `all_cpus` (the cluster's cores, read before any pinning) that no worker is bound to, every thread
+    of each; return how many processes moved. Errors (a process gone, a thread that exited) are
+    skipped: the next call tries again."""
+    procs = _snapshot(psutil.Process(root_pid or os.getpid()))
+    reserved, pids = plan([p for _, p in procs], all_cpus)
+    moved = 0
+    for p, info in procs:
+        if info.pid not in pids:
+            continue
+        try:
+            for t in p.threads():
+                try:
+                    os.sched_setaffinity(t.id, reserved)
+                except OSError:  # the thread exited
+                    pass
+            moved += 1
+            log.info("pinned %s (pid %d) to cpus %s", info.name[:60], info.pid, sorted(reserved))
+        except psutil.Error:
+            continue
+    return moved
+

@@ -1,0 +1,79 @@
+"""`cluster.cpu_pinning` against real processes: a tree like a local cluster's (a model worker bound
+to one core, Ray's daemons and replicas floating) is moved off the worker's core, and what must not
+move (the worker, the raylet, a replica whose worker has not started) stays where it was."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from cluster.cpu_pinning import pin_serving_processes
+
+ALL = frozenset(os.sched_getaffinity(0))
+pytestmark = pytest.mark.skipif(len(ALL) < 2, reason="needs two cores to keep one free")
+
+# A shell whose children carry the process titles of a local cluster (`exec -a` sets argv[0]). The
+# worker is bound to the lowest core, as vLLM's auto-binding does; everything else floats.
+TREE = """
+(exec -a VLLM::Worker sleep 60) &
+(exec -a raylet sleep 60) &
+(exec -a ray::ProxyActor sleep 60) &
+(exec -a ray::ServeReplica:app:engine-waiting sleep 60) &
+(exec -a ray::ServeReplica:app:engine-ngram bash -c '(exec -a VLLM::Worker sleep 60) & wait') &
+wait
+"""
+
+
+def _titles(root: psutil.Process) -> dict[str, list[psutil.Process]]:
+    out: dict[str, list[psutil.Process]] = {}
+    for p in root.children(recursive=True):
+        cmd = p.cmdline()
+        if cmd:
+            out.setdefault(cmd[0], []).append(p)
+    return out
+
+
+def test_serving_processes_leave_the_workers_core_and_the_rest_stays():
+    shell = subprocess.Popen(["bash", "-c", TREE])
+    try:
+        root = psutil.Process(shell.pid)
+        deadline = time.monotonic() + 10
+        while len(_titles(root).get("VLLM::Worker", [])) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        titles = _titles(root)
+        worker_core = min(ALL)
+        for w in titles["VLLM::Worker"]:
+            w.cpu_affinity([worker_core])
+        free = sorted(ALL - {worker_core})
+
+        assert pin_serving_processes(ALL, root_pid=shell.pid) >= 2
+        assert titles["ray::ProxyActor"][0].cpu_affinity() == free
+        assert titles["ray::ServeReplica:app:engine-ngram"][0].cpu_affinity() == free  # its worker runs
+        assert root.cpu_affinity() == free
+        for w in titles["VLLM::Worker"]:
+            assert w.cpu_affinity() == [worker_core]
+        assert titles["raylet"][0].cpu_affinity() == sorted(ALL)  # starts replicas: they inherit its cores
+        assert titles["ray::ServeReplica:app:engine-waiting"][0].cpu_affinity() == sorted(ALL)
+        assert pin_serving_processes(ALL, root_pid=shell.pid) == 0  # nothing new to move
+    finally:
+        for p in psutil.Process(shell.pid).children(recursive=True):
+            p.kill()
+        shell.kill()
+        shell.wait()
+
+
+def test_without_a_bound_worker_nothing_moves():
+    shell = subprocess.Popen(["bash", "-c", "(exec -a ray::ProxyActor sleep 60) & wait"])
+    try:
+        time.sleep(0.3)
+        assert pin_serving_processes(ALL, root_pid=shell.pid) == 0
+        assert psutil.Process(shell.pid).cpu_affinity() == sorted(ALL)
+    finally:
+        for p in psutil.Process(shell.pid).children(recursive=True):
+            p.kill()
+        shell.kill()
+        shell.wait()

@@ -100,9 +100,9 @@ class TcpDraftClient:
             reply = recv_frame(self._sock)
         except (OSError, WireError) as e:  # socket.timeout is an OSError
             self.close()  # a late reply must never be read as the next step's
-            raise DrafterUnavailable(f"{self.endpoint}: {type(e).__name__}: {e}") from None
+            raise DrafterUnavailable(f"{type(e).__name__}: {e}") from None
         if not isinstance(reply, dict) or "error" in reply:
-            raise DrafterUnavailable(f"{self.endpoint}: {reply.get('error') if isinstance(reply, dict) else reply!r}")
+            raise DrafterUnavailable(f"{reply.get('error') if isinstance(reply, dict) else reply!r}"[:300])
         return reply
 
     def close(self) -> None:
@@ -185,7 +185,7 @@ class RemoteDraftSession:
             reply = self._client.call(msg, self.timeout_s)
             got, resync = reply["drafts"], reply["resync"]
             if len(got) != len(todo) or len(resync) != len(todo):
-                raise DrafterUnavailable(f"{self.endpoint}: {len(got)} drafts for {len(todo)} sequences")
+                raise DrafterUnavailable(f"{len(got)} drafts for {len(todo)} sequences")
         except (DrafterUnavailable, KeyError, TypeError) as e:
             self.failures += 1
             self.last_error = str(e)[:300]
@@ -221,6 +221,15 @@ class RemoteDraftSession:
     def reset_samples(self) -> None:
         self.rtt_s.clear()
         self.overhead_s.clear()
+
+
+def public_drafter_status(status: dict[str, Any]) -> dict[str, Any]:
+    """A session's status without where the drafter listens: for the engine's load report, which
+    the router's status page shows (without a key when auth is off)."""
+    out = {k: v for k, v in status.items() if k != "endpoint"}
+    if "endpoint" in status:
+        out["has_endpoint"] = status["endpoint"] is not None
+    return out
 
 
 def _quantiles(xs) -> dict[str, float]:

@@ -330,8 +330,10 @@ class EngineServer:
             **({"engine_dead": True} if self._dead is not None else {}),
         }
         if self.pool.method == SpecMode.REMOTE_DRAFT and self._dead is None:
+            from cluster.remote_proposer import public_drafter_status
+
             try:
-                out["remote_drafter"] = await self.drafter_status()
+                out["remote_drafter"] = public_drafter_status(await self.drafter_status())
             except TimeoutError as e:  # the load report stays cheap and answers
                 out["remote_drafter"] = {"error": str(e)}
         return out

@@ -77,3 +77,24 @@ def test_collective_rpc_calls_are_bounded(monkeypatch):
     # The load report, which the router polls four times a second, still answers, naming the failure.
     load = asyncio.run(asyncio.wait_for(s.load(), timeout=5))
     assert load["unfinished"] == 1 and "took more than" in load["remote_drafter"]["error"]
+
+
+def test_the_load_report_does_not_carry_the_drafters_address():
+    """The router's status page shows each pool's load report, without a key when auth is off."""
+    import json
+
+    from cluster.remote_proposer import public_drafter_status
+
+    status = {"endpoint": "10.20.30.40:45678", "breaker_open": False, "calls": 3, "last_error": None}
+
+    class Engine(FakeEngine):
+        async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            return [dict(status)]
+
+    s = EngineServer("remote", POOL.model_copy(update={"method": "remote_draft", "max_k": 3}), "/m", None, "m",
+                     engine=Engine())
+    load = asyncio.run(s.load())
+    assert "10.20.30.40" not in json.dumps(load)
+    assert load["remote_drafter"]["has_endpoint"] is True and load["remote_drafter"]["calls"] == 3
+    assert asyncio.run(s.drafter_status())["endpoint"] == "10.20.30.40:45678"  # the replica itself still knows
+    assert public_drafter_status({"endpoint": None})["has_endpoint"] is False

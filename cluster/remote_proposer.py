@@ -18,6 +18,7 @@ The bookkeeping (`RemoteDraftSession`) and the breaker are plain classes, tested
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 import uuid
@@ -25,7 +26,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from cluster.draft_wire import WireError, recv_frame, send_frame
+from cluster.draft_limits import BadFrame, WireLimits, parse_reply
+from cluster.draft_wire import BodyError, Channel, WireError, client_handshake, secret_from_env
 from cluster.percentile import percentile
 from cluster.vllm_scheduler import ADDITIONAL_CONFIG_KEY, cap_table_from, effective_k, requested_k
 
@@ -34,6 +36,8 @@ log = logging.getLogger("specserve.remote_proposer")
 PROPOSER_CLS_PATH = "cluster.remote_proposer.RemoteDraftProposer"
 WORKER_EXTENSION_PATH = "cluster.remote_proposer.RemoteDraftWorkerExtension"
 REMOTE_CONFIG_KEY = "remote_drafter"  # under additional_config[ADDITIONAL_CONFIG_KEY]
+FRAME_HEADROOM = 1024  # a request's bytes besides its sequences and evictions (client id, keys, tag)
+MAX_REPLY_BYTES = 1 << 20  # a reply is drafts: at most max_seqs x max_k ids (4 MiB would be 500 000 ids)
 
 
 class DrafterUnavailable(ConnectionError):
@@ -81,37 +85,93 @@ class CircuitBreaker:
 
 
 class TcpDraftClient:
-    """One persistent connection to one drafter replica; any error closes it (reconnect next call)."""
+    """One persistent, authenticated connection to one drafter replica (`cluster.draft_wire`); any
+    error closes it (reconnect next call). Every method is bounded by the caller's deadline."""
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, secret: bytes, max_reply_bytes: int = MAX_REPLY_BYTES):
         host, _, port = endpoint.rpartition(":")
         self.endpoint = endpoint
         self._addr = (host, int(port))
-        self._sock: Optional[socket.socket] = None
+        self._secret = secret
+        self.max_reply_bytes = max_reply_bytes
+        self._ch: Optional[Channel] = None
+        self.limits: Optional[WireLimits] = None
+        self._last_used = 0.0
 
-    def call(self, msg: dict, timeout_s: float) -> dict:
-        deadline = time.monotonic() + timeout_s
+    def open(self, deadline: float) -> WireLimits:
+        """Connect and authenticate unless connected; -> the drafter's limits. A connection unused for
+        half the drafter's idle timeout is replaced first (the drafter may be closing it)."""
+        now = time.monotonic()
+        if self._ch is not None and now - self._last_used > self.limits.idle_timeout_s / 2:
+            self.close()
+        if self._ch is None:
+            try:
+                sock = socket.create_connection(self._addr, timeout=max(deadline - now, 1e-3))
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    ch, raw = client_handshake(sock, self._secret, deadline, self.max_reply_bytes)
+                    self.limits = WireLimits.from_wire(raw)
+                except BaseException:
+                    sock.close()
+                    raise
+            except (OSError, WireError, BodyError) as e:  # socket.timeout is an OSError; BadFrame a ValueError
+                raise DrafterUnavailable(f"connect: {type(e).__name__}: {e}") from None
+            self._ch = ch
+        self._last_used = now
+        return self.limits
+
+    def call(self, msg: dict, deadline: float) -> Any:
+        """One request, one reply (unchecked: the session checks it against what it asked)."""
+        if self._ch is None:
+            raise DrafterUnavailable("not connected")
         try:
-            if self._sock is None:
-                self._sock = socket.create_connection(self._addr, timeout=timeout_s)
-                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock.settimeout(max(deadline - time.monotonic(), 1e-3))
-            send_frame(self._sock, msg)
-            reply = recv_frame(self._sock)
-        except (OSError, WireError) as e:  # socket.timeout is an OSError
+            self._ch.send(msg, deadline, max_bytes=self.limits.max_frame_bytes)
+            reply = self._ch.recv(deadline)
+        except (OSError, WireError, BodyError) as e:
             self.close()  # a late reply must never be read as the next step's
             raise DrafterUnavailable(f"{type(e).__name__}: {e}") from None
-        if not isinstance(reply, dict) or "error" in reply:
-            raise DrafterUnavailable(f"{reply.get('error') if isinstance(reply, dict) else reply!r}"[:300])
+        self._last_used = time.monotonic()
         return reply
 
     def close(self) -> None:
-        if self._sock is not None:
+        if self._ch is not None:
             try:
-                self._sock.close()
+                self._ch.sock.close()
             except OSError:
                 pass
-            self._sock = None
+            self._ch = None
+
+
+def plan_call(todo: list, sent: dict[str, int], evict: set[str], lim: WireLimits) -> tuple[list, list, list[str]]:
+    """Keep a call inside the drafter's limits. todo: [(index, SeqWork)] with K > 0.
+
+    -> (calls: [(index, SeqWork, start, k)], seqs: the request's entries, evict: ids to send).
+    A sequence past the drafter's context, with an id too long, or whose new tokens hold an id
+    outside the drafter's vocabulary is not sent (and the drafter forgets it); sequences past the
+    call's sequence, token or frame-size budget wait for the next step; K is capped at max_k."""
+    sendable = []
+    for i, w in todo:
+        if len(w.tokens) > lim.max_seq_tokens or not 0 < len(w.req_id) <= lim.max_id_chars:
+            if sent.pop(w.req_id, None) is not None:
+                evict.add(w.req_id)
+        else:
+            sendable.append((i, w))
+    evict_now = sorted(evict)[: lim.max_evict]
+    calls, seqs, budget = [], [], lim.max_call_tokens
+    room = lim.max_frame_bytes - FRAME_HEADROOM - sum(len(e) + 3 for e in evict_now)  # msgpack sizes, at most
+    for i, w in sendable:
+        n = len(w.tokens)
+        start = min(sent.get(w.req_id, 0), n)
+        new = [int(t) for t in w.tokens[start:]]
+        size = len(w.req_id) + 5 * len(new) + 24
+        if (len(calls) >= lim.max_seqs or len(new) > budget or size > room
+                or (new and not 0 <= min(new) <= max(new) < lim.vocab_size)):
+            continue
+        budget, room = budget - len(new), room - size
+        k = min(int(w.k), lim.max_k)
+        calls.append((i, w, start, k))
+        seqs.append([w.req_id, start, new, k])
+    return calls, seqs, evict_now
 
 
 # -- the bookkeeping --------------------------------------------------------------------------------
@@ -133,8 +193,10 @@ class RemoteDraftSession:
     """
 
     def __init__(self, connect: Callable[[str], Any], timeout_s: float = 0.05, failures_to_open: int = 2,
-                 reprobe_s: float = 2.0, clock: Callable[[], float] = time.monotonic, samples: int = 4096):
-        self.connect = connect
+                 reprobe_s: float = 2.0, clock: Callable[[], float] = time.monotonic, samples: int = 4096,
+                 vocab_size: Optional[int] = None):
+        self.connect = connect  # endpoint -> a client with open(deadline), call(msg, deadline), close()
+        self.vocab_size = vocab_size  # the target's: no draft id at or past it reaches vLLM
         self.timeout_s = timeout_s
         self.breaker = CircuitBreaker(failures_to_open, reprobe_s)
         self.clock = clock
@@ -172,43 +234,46 @@ class RemoteDraftSession:
         if not self.breaker.allow(now):
             self.skipped_open += 1
             return drafts
-        starts = [min(self.sent.get(w.req_id, 0), len(w.tokens)) for _, w in todo]
-        msg = {
-            "client": self.client_id,
-            "evict": sorted(self._to_evict),
-            "seqs": [[w.req_id, s, [int(t) for t in w.tokens[s:]], int(w.k)] for (_, w), s in zip(todo, starts)],
-        }
         t0 = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
         try:
             if self._client is None:
                 self._client = self.connect(self.endpoint)
-            reply = self._client.call(msg, self.timeout_s)
-            got, resync = reply["drafts"], reply["resync"]
-            if len(got) != len(todo) or len(resync) != len(todo):
-                raise DrafterUnavailable(f"{len(got)} drafts for {len(todo)} sequences")
-        except (DrafterUnavailable, KeyError, TypeError) as e:
-            self.failures += 1
-            self.last_error = str(e)[:300]
-            self.breaker.failure(self.clock())
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+            limits = self._client.open(deadline)
+            calls, seqs, evict = plan_call(todo, self.sent, self._to_evict, limits)
+            if not seqs:
+                return drafts
+            raw = self._client.call({"client": self.client_id, "evict": evict, "seqs": seqs}, deadline)
+            vocab = min(limits.vocab_size, self.vocab_size or limits.vocab_size)
+            got, resync, compute_s = parse_reply(raw, [k for _, _, _, k in calls], [len(w.tokens) for _, w, _, _ in calls],
+                                                 vocab)
+        except Exception as e:  # noqa: BLE001 - unreachable, refused, malformed (BadFrame) or a bug: no drafts
+            self._failed(e)
             return drafts
         rtt = time.perf_counter() - t0
         self.calls += 1
         self.rtt_s.append(rtt)
-        self.overhead_s.append(max(rtt - float(reply.get("compute_s", 0.0)), 0.0))
+        self.overhead_s.append(max(rtt - compute_s, 0.0))
         self.breaker.success()
-        self._to_evict.clear()
-        for (i, w), d, r in zip(todo, got, resync):
-            if r is not None and r >= 0:
-                self.sent[w.req_id] = int(r)  # the drafter lost state: resend from there next step
+        self._to_evict.difference_update(evict)
+        for (i, w, _, _), d, r in zip(calls, got, resync):
+            if r >= 0:
+                self.sent[w.req_id] = r  # the drafter lost state: resend from there next step
                 self.resyncs += 1
                 continue
             self.sent[w.req_id] = len(w.tokens)
-            drafts[i] = [int(t) for t in d[: w.k]]
-            self.drafted += len(drafts[i])
+            drafts[i] = d
+            self.drafted += len(d)
         return drafts
+
+    def _failed(self, e: Exception) -> None:
+        self.failures += 1
+        kind = "" if isinstance(e, (DrafterUnavailable, BadFrame)) else f"{type(e).__name__}: "
+        self.last_error = (kind + str(e))[:300]
+        self.breaker.failure(self.clock())
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
     def status(self) -> dict[str, Any]:
         return {
@@ -246,6 +311,28 @@ def remote_settings(vllm_config) -> dict[str, Any]:
     return ((vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {}) or {}).get(REMOTE_CONFIG_KEY, {}) or {}
 
 
+def connector(environ=None) -> Callable[[str], TcpDraftClient]:
+    """endpoint -> TcpDraftClient with the wire's secret from this process's environment (the engine
+    core inherits the replica's). Without one, every call fails saying what to set (last_error)."""
+    try:
+        secret = secret_from_env(os.environ if environ is None else environ)
+    except WireError as e:
+        missing = str(e)
+
+        def refuse(endpoint: str) -> TcpDraftClient:
+            raise DrafterUnavailable(missing)
+
+        return refuse
+    return lambda endpoint: TcpDraftClient(endpoint, secret)
+
+
+def target_vocab_size(vllm_config) -> Optional[int]:
+    try:
+        return int(vllm_config.model_config.get_vocab_size())
+    except Exception:  # noqa: BLE001 - a config without it (tests): the drafter's announced vocabulary bounds ids
+        return None
+
+
 class RemoteDraftProposer:
     """vLLM `custom_class` proposer. `propose` gets the batch's tokens from vLLM; the request ids
     and each request's SamplingParams come from the model runner, which the worker extension
@@ -260,11 +347,13 @@ class RemoteDraftProposer:
         self.k_cap_table = sorted((int(a), int(b)) for a, b in table) if table else None
         s = remote_settings(vllm_config)
         self.session = RemoteDraftSession(
-            TcpDraftClient, timeout_s=float(s.get("timeout_s", 0.05)),
+            connector(), timeout_s=float(s.get("timeout_s", 0.05)),
             failures_to_open=int(s.get("failures_to_open", 2)), reprobe_s=float(s.get("reprobe_s", 2.0)),
+            vocab_size=target_vocab_size(vllm_config),
         )
         self.session.set_endpoint(s.get("endpoint"))
         self.runner = None
+        self.errors = 0
 
     def load_model(self, *args, **kwargs) -> None:
         pass  # the drafter's model lives in the drafter deployment
@@ -282,7 +371,18 @@ class RemoteDraftProposer:
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec, token_ids_cpu,
                 slot_mappings=None) -> list[list[int]]:
         """sampled_token_ids: per running request, this step's tokens (empty mid-prefill);
-        num_tokens_no_spec: [max_num_reqs] committed length; token_ids_cpu: [max_num_reqs, max_model_len]."""
+        num_tokens_no_spec: [max_num_reqs] committed length; token_ids_cpu: [max_num_reqs, max_model_len].
+        Never raises: this runs in vLLM's engine core, where an exception ends the engine."""
+        try:
+            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        except Exception as e:  # noqa: BLE001 - a bug here must cost drafts, not the engine
+            self.errors += 1
+            if self.errors & (self.errors - 1) == 0:  # the 1st, 2nd, 4th, 8th ... time
+                log.warning("remote proposer: step without drafts after %s: %s (%d times)", type(e).__name__,
+                            str(e)[:200], self.errors)
+            return [[] for _ in sampled_token_ids]
+
+    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         n = len(sampled_token_ids)
         if self.runner is None:
             return [[] for _ in range(n)]

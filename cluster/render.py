@@ -148,6 +148,20 @@ def api_key_env(cfg: ClusterConfig, settings: RenderSettings) -> list[Obj]:
     return [{"name": cfg.auth.api_keys_env, "valueFrom": {"secretKeyRef": ref}}]
 
 
+DRAFTER_SECRET_KEY = "secret"  # the key of settings.drafter_secret
+
+
+def drafter_secret_env(cfg: ClusterConfig, settings: RenderSettings) -> list[Obj]:
+    """With drafters: the drafter wire's shared secret (`cluster.draft_wire`) from its Secret, by
+    reference, in every Ray pod (drafter replicas and the engines that call them may land anywhere)."""
+    if not used_drafters(cfg):
+        return []
+    from cluster.draft_wire import SECRET_ENV
+
+    ref = {"name": settings.drafter_secret, "key": DRAFTER_SECRET_KEY}
+    return [{"name": SECRET_ENV, "valueFrom": {"secretKeyRef": ref}}]
+
+
 def api_key_volume(cfg: ClusterConfig, settings: RenderSettings) -> tuple[list[Obj], list[Obj]]:
     """(volumes, volumeMounts): with auth on and auth.api_keys_file set, the API-key Secret mounted
     so that its key named like the file's basename is that file. Kubernetes updates a mounted
@@ -175,6 +189,7 @@ def _pod(settings: RenderSettings, cfg: ClusterConfig, group: NodeGroup, role: s
          "valueFrom": {"secretKeyRef": {"name": settings.redis_secret, "key": REDIS_TUNING_PASSWORD_KEY}}},
         {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": settings.hf_secret, "key": "token", "optional": True}}},
         *api_key_env(cfg, settings),
+        *drafter_secret_env(cfg, settings),
     ]
     ports = [{"name": "serve", "containerPort": cfg.api.http_port}]
     if cfg.api.grpc_port:

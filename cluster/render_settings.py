@@ -78,6 +78,10 @@ class RenderSettings(_Strict):
         description=("Secret with the API keys when the cluster config has auth.enabled: key `keys` (comma-separated "
                      "`label:key`) becomes auth.api_keys_env; with auth.api_keys_file, the key named like the "
                      "file's basename is mounted as that file."))
+    drafter_secret: str = Field(
+        "specserve-drafter",
+        description=("Secret with the drafter wire's shared secret when the cluster config has drafters: key "
+                     "`secret` (at least 16 characters) becomes SPECSERVE_DRAFTER_SECRET of the Ray pods."))
     gcs_fault_tolerance: bool = Field(True, description="Ray GCS fault tolerance on the config's Redis.")
     autoscaler_idle_timeout_s: int = Field(300, ge=0, description="KubeRay autoscaler: idle pod lifetime.")
     upscaling_mode: Literal["Default", "Aggressive", "Conservative"] = Field("Default")

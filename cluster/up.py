@@ -27,8 +27,9 @@ def start_cluster(config_path: str, wait_s: float = 900.0):
     from cluster.models import prepare_all
     from cluster.deadline import proxy_timeout_s
     from cluster.placement import (
-        GRPC_SERVICER_FUNCTIONS, grpc_message_options, grpc_reflection, ray_init_kwargs, ray_node_env,
+        GRPC_SERVICER_FUNCTIONS, grpc_message_options, grpc_reflection, ray_init_kwargs, ray_node_env, used_drafters,
     )
+    from cluster.draft_wire import SECRET_ENV
     from deployments.app import build_app
 
     config = load_config(config_path)  # 1. fail fast on a bad config
@@ -51,6 +52,10 @@ def start_cluster(config_path: str, wait_s: float = 900.0):
             # Read by the workers the raylet starts: the gRPC proxy's message-size bound (a joined
             # cluster's nodes must have it in their own environment, as the rendered manifests do).
             os.environ.update(ray_node_env(config))
+            os.environ.update(local_drafter_secret(config, os.environ))
+        elif used_drafters(config) and SECRET_ENV not in os.environ:
+            print(f"[specserve] note: drafters and engines read {SECRET_ENV} from their node's environment "
+                  "(a joined cluster's nodes must have it; drafters refuse to start without it)", file=sys.stderr)
         # A local Ray binds to loopback (ray.node_ip_address): its processes take unauthenticated calls.
         ray.init(**ray_init_kwargs(config, pythonpath=str(Path(__file__).resolve().parents[1])))
         interrupt_on_signals()  # ray.init replaced the SIGTERM handler with its own (sys.exit)
@@ -90,6 +95,18 @@ def start_cluster(config_path: str, wait_s: float = 900.0):
         stop_cluster(redis_handle, forwarder)
         raise
     return config, redis_handle, forwarder
+
+
+def local_drafter_secret(config, environ) -> dict[str, str]:
+    """The drafter wire's shared secret for a local Ray (`cluster.draft_wire`): a new random one per
+    start when the config has drafters and `environ` has none. Set in this process before Ray starts,
+    it reaches drafters and engines through the raylet's environment, not Ray's GCS."""
+    from cluster.draft_wire import SECRET_ENV, new_secret
+    from cluster.placement import used_drafters
+
+    if not used_drafters(config) or environ.get(SECRET_ENV):
+        return {}
+    return {SECRET_ENV: new_secret()}
 
 
 def _start_redis(config):

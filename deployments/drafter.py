@@ -8,9 +8,10 @@ Three layers, each testable alone:
   weights) over sequences of different lengths, each with its own growable KV cache.
 - `Drafter`: per-sequence state keyed by (client, sequence id), bounded in number and idle time;
   `propose(client, seqs, evict)` is one target step (see `cluster.draft_wire` for the contract).
-- `DraftServer`: the TCP endpoint that target engines call once per step (`cluster.draft_wire`
-  framing), one thread per connected target; `DrafterServer` is the Ray Serve deployment class
-  (`deployments/app.py` applies `serve.deployment`), whose `endpoint()` tells targets where it is.
+- `DraftServer` (`deployments/draft_server.py`): the authenticated TCP endpoint that target engines
+  call once per step (`cluster.draft_wire`), one thread per connected target, every request checked
+  against the drafter's limits (`cluster.draft_limits`); `DrafterServer` is the Ray Serve deployment
+  class (`deployments/app.py` applies `serve.deployment`), whose `endpoint()` tells targets where it is.
 
 Greedy drafting: draft token i+1 is the argmax of the draft model after draft token i.
 """
@@ -18,14 +19,16 @@ Greedy drafting: draft token i+1 is the argmax of the draft model after draft to
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from cluster.draft_wire import WireError, recv_frame, send_frame
+from cluster.draft_wire import secret_from_env
+from deployments.draft_server import DraftServer
+
+__all__ = ["DraftModel", "Drafter", "DraftServer", "DrafterServer", "KVCache"]
 
 log = logging.getLogger("specserve.drafter")
 
@@ -72,6 +75,8 @@ class DraftModel:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.dtype = next(hf_model.parameters()).dtype
+        # Token ids it can embed and score (a target's id past either would index out of range).
+        self.vocab_size = min(hf_model.get_input_embeddings().num_embeddings, hf_model.lm_head.out_features)
         self._torch = torch
 
     @classmethod
@@ -166,6 +171,11 @@ class DrafterStats:
     connections_ended: int = 0  # connections whose serve loop ended other than by close() (WARNING each)
     connection_errors: int = 0  # ... of which on an error (a malformed frame, a failed send, a bug), not a peer's close
     accept_failures: int = 0  # the accept loop ended on an error: the endpoint is down (check_health fails)
+    accept_errors: int = 0  # accept() failed for lack of resources (EMFILE ...) and the loop backed off
+    connections_refused: int = 0  # closed at once: max_connections (or handshakes under way) reached
+    handshake_failures: int = 0  # a peer that did not prove the secret in time (rate-limited WARNING)
+    bad_frames: int = 0  # requests refused with an error reply (outside the limits, not msgpack, too large)
+    idle_closed: int = 0  # connections closed after idle_timeout_s without a frame (INFO)
 
 
 class Drafter:
@@ -176,8 +186,10 @@ class Drafter:
     """
 
     def __init__(self, model: DraftModel, max_sequences: int = 256, idle_ttl_s: float = 120.0,
-                 max_context: int = 8192, clock: Callable[[], float] = time.monotonic):
+                 max_context: int = 8192, max_k: int = 16, clock: Callable[[], float] = time.monotonic):
         self.model = model
+        self.vocab_size = int(getattr(model, "vocab_size", 0))  # 0 without a model (tests of the endpoint)
+        self.max_k = max_k
         self.max_sequences = max_sequences
         self.idle_ttl_s = idle_ttl_s
         self.max_context = max_context
@@ -187,7 +199,8 @@ class Drafter:
         self._lock = threading.Lock()  # one model, many connected targets
 
     def propose(self, client: str, seqs: list, evict: list) -> tuple[list[list[int]], list[int]]:
-        """One target step: `seqs` = [(seq_id, start, tokens, k)] -> (drafts, resync) per sequence."""
+        """One target step: `seqs` = [(seq_id, start, tokens, k)] -> (drafts, resync) per sequence.
+        The arguments are trusted: the endpoint checked them (`cluster.draft_limits.parse_request`)."""
         with self._lock:
             t0 = time.perf_counter()
             out = self._propose(client, seqs, evict)
@@ -277,91 +290,7 @@ class Drafter:
             return sum(st.cache.nbytes() for st in self._seqs.values())
 
 
-# -- the endpoint --------------------------------------------------------------------------------------
-
-
-class DraftServer:
-    """TCP endpoint of a Drafter: one thread per connected target, one frame in, one frame out."""
-
-    def __init__(self, drafter: Drafter, host: str = "127.0.0.1", port: int = 0):
-        self.drafter = drafter
-        self._sock = socket.create_server((host, port))
-        self.host, self.port = host, self._sock.getsockname()[1]
-        self._closed = threading.Event()
-        self._conns: set[socket.socket] = set()
-        self._thread = threading.Thread(target=self._accept_loop, name="draft-server", daemon=True)
-        self._thread.start()
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def alive(self) -> bool:
-        return self._thread.is_alive() and not self._closed.is_set()
-
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, peer = self._sock.accept()
-            except OSError as e:
-                if not self._closed.is_set():
-                    self.drafter.stats.accept_failures += 1
-                    log.warning("drafter endpoint %s: accept loop ended (%s: %s); %d targets still connected",
-                                self.address, type(e).__name__, e, len(self._conns))
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn, peer), name="draft-conn", daemon=True).start()
-
-    def _serve(self, conn: socket.socket, peer: Any = None) -> None:
-        """One target's connection: frames in, replies out, until either side ends it. An end that
-        close() did not cause is logged at WARNING with the peer and why, and counted."""
-        stats, frames = self.drafter.stats, 0
-        stats.connections += 1
-        why, error = "", False
-        with conn:
-            try:
-                while not self._closed.is_set():
-                    msg = recv_frame(conn)
-                    send_frame(conn, self.handle(msg))
-                    frames += 1
-            except WireError as e:  # closed by the peer, or a malformed frame
-                why, error = str(e), str(e) != "connection closed by peer"
-            except Exception as e:  # noqa: BLE001 - a socket error or a bug: the loop ends, logged and counted
-                why, error = f"{type(e).__name__}: {e}", True
-            finally:
-                self._conns.discard(conn)
-                stats.connections -= 1
-        if not self._closed.is_set():
-            stats.connections_ended += 1
-            stats.connection_errors += int(error)
-            log.warning("drafter endpoint %s: connection from %s ended after %d frames: %s", self.address,
-                        _peer(peer), frames, why[:200])
-
-    def handle(self, msg: Any) -> dict:
-        """One request frame -> one reply frame; a malformed request gets {"error": ...}, never a crash."""
-        try:
-            client = str(msg["client"])
-            seqs = [(str(s[0]), int(s[1]), list(s[2]), int(s[3])) for s in msg.get("seqs", [])]
-            evict = [str(s) for s in msg.get("evict", [])]
-        except (KeyError, TypeError, ValueError, IndexError) as e:
-            return {"error": f"malformed request: {type(e).__name__}: {e}"}
-        t0 = time.perf_counter()
-        drafts, resync = self.drafter.propose(client, seqs, evict)
-        return {"drafts": drafts, "resync": resync, "compute_s": time.perf_counter() - t0}
-
-    def close(self) -> None:
-        """Stop listening and drop every connection (targets see the drafter go away at once)."""
-        self._closed.set()
-        for s in [self._sock, *list(self._conns)]:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            try:
-                s.close()
-            except OSError:
-                pass
+# -- the deployment --------------------------------------------------------------------------------
 
 
 class DrafterServer:
@@ -373,16 +302,21 @@ class DrafterServer:
 
     def __init__(self, name: str, model_path: str, dtype: str = "float32", max_sequences: int = 256,
                  idle_ttl_s: float = 120.0, max_context: int = 8192, host: Optional[str] = None, port: int = 0,
-                 num_threads: int = 0, model: Optional[DraftModel] = None):
+                 num_threads: int = 0, model: Optional[DraftModel] = None, max_k: int = 16,
+                 wire: Optional[dict[str, Any]] = None, secret: Optional[bytes] = None):
+        """`wire`: DraftServer's bounds (max_frame_bytes, max_call_tokens, max_connections,
+        idle_timeout_s, recv_timeout_s); `secret`: the wire's, by default from SECRET_ENV."""
         import torch
 
+        secret = secret if secret is not None else secret_from_env()  # fails start-up, naming the variable
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         self.name = name
         t0 = time.monotonic()
         model = model if model is not None else DraftModel.load(model_path, dtype)
-        self.drafter = Drafter(model, max_sequences=max_sequences, idle_ttl_s=idle_ttl_s, max_context=max_context)
-        self.server = DraftServer(self.drafter, host or _node_ip(), port)
+        self.drafter = Drafter(model, max_sequences=max_sequences, idle_ttl_s=idle_ttl_s, max_context=max_context,
+                               max_k=max_k)
+        self.server = DraftServer(self.drafter, host or _node_ip(), port, secret=secret, **(wire or {}))
         log.info("drafter %s: model %s up in %.1f s, serving drafts on %s", name, model_path,
                  time.monotonic() - t0, self.server.address)
 
@@ -401,10 +335,6 @@ class DrafterServer:
         server = getattr(self, "server", None)
         if server is not None:
             server.close()
-
-
-def _peer(peer: Any) -> str:
-    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer)
 
 
 def _node_ip() -> str:

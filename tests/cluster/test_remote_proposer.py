@@ -19,44 +19,47 @@ from cluster.remote_proposer import (  # noqa: E402
 )
 from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP  # noqa: E402
 from deployments.drafter import DraftModel, Drafter, DraftServer  # noqa: E402
+from cluster.draft_wire import SECRET_ENV  # noqa: E402
+from tests.drafter_peer import SECRET, tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def hf_model():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return tiny_llama()
 
 
 @pytest.fixture
 def server(hf_model):
-    s = DraftServer(Drafter(DraftModel(hf_model)), "127.0.0.1", 0)
+    s = DraftServer(Drafter(DraftModel(hf_model)), "127.0.0.1", 0, secret=SECRET)
     yield s
     s.close()
 
 
+@pytest.fixture(autouse=True)
+def wire_secret(monkeypatch):
+    """The engine process's environment carries the secret (the proposer reads it there)."""
+    monkeypatch.setenv(SECRET_ENV, SECRET.decode())
+
+
+def client(endpoint):
+    return TcpDraftClient(endpoint, SECRET)
+
+
 class Recording:
-    """Wraps TcpDraftClient and keeps every message sent (what went over the wire)."""
+    """TcpDraftClient that keeps every message sent (what went over the wire)."""
 
     def __init__(self):
         self.sent: list[dict] = []
 
     def __call__(self, endpoint):
-        client = TcpDraftClient(endpoint)
         outer = self
 
-        class _C:
-            def call(self, msg, timeout_s):
+        class _C(TcpDraftClient):
+            def call(self, msg, deadline):
                 outer.sent.append(msg)
-                return client.call(msg, timeout_s)
+                return super().call(msg, deadline)
 
-            def close(self):
-                client.close()
-
-        return _C()
+        return _C(endpoint, SECRET)
 
 
 def test_breaker_opens_after_consecutive_failures_and_probes_periodically():
@@ -90,7 +93,7 @@ def test_session_sends_only_new_tokens_skips_k0_and_evicts_finished(server):
 
 
 def test_drafts_from_the_session_equal_the_drafters(server, hf_model):
-    session = RemoteDraftSession(TcpDraftClient, timeout_s=5.0)
+    session = RemoteDraftSession(client, timeout_s=5.0)
     session.set_endpoint(server.address)
     ref = Drafter(DraftModel(hf_model))
     got = session.step([SeqWork("a", [3, 1, 4, 1, 5], 4)])
@@ -121,7 +124,7 @@ def silent_endpoint():
 
 def test_a_hung_drafter_costs_one_timeout_then_the_breaker_skips_it_until_a_probe(silent_endpoint, server):
     now = [0.0]
-    session = RemoteDraftSession(TcpDraftClient, timeout_s=0.05, failures_to_open=2, reprobe_s=5.0,
+    session = RemoteDraftSession(client, timeout_s=0.05, failures_to_open=2, reprobe_s=5.0,
                                  clock=lambda: now[0])
     session.set_endpoint(silent_endpoint)
     for _ in range(2):
@@ -142,9 +145,9 @@ def test_a_hung_drafter_costs_one_timeout_then_the_breaker_skips_it_until_a_prob
 
 
 def test_a_restarted_drafter_at_the_same_address_resyncs_lost_sequences(hf_model):
-    first = DraftServer(Drafter(DraftModel(hf_model)), "127.0.0.1", 0)
+    first = DraftServer(Drafter(DraftModel(hf_model)), "127.0.0.1", 0, secret=SECRET)
     port = first.port
-    session = RemoteDraftSession(TcpDraftClient, timeout_s=5.0, failures_to_open=1, reprobe_s=0.0)
+    session = RemoteDraftSession(client, timeout_s=5.0, failures_to_open=1, reprobe_s=0.0)
     session.set_endpoint(first.address)
     toks = [1, 2, 3, 4]
     d = session.step([SeqWork("a", toks, 2)])
@@ -153,7 +156,7 @@ def test_a_restarted_drafter_at_the_same_address_resyncs_lost_sequences(hf_model
     time.sleep(0.1)
     toks = toks + [d[0][0], 7]
     assert session.step([SeqWork("a", toks, 2)]) == [[]]  # connection broken: no drafts, no error
-    second = DraftServer(Drafter(DraftModel(hf_model)), "127.0.0.1", port)
+    second = DraftServer(Drafter(DraftModel(hf_model)), "127.0.0.1", port, secret=SECRET)
     try:
         toks = toks + [8]
         assert session.step([SeqWork("a", toks, 2)]) == [[]]  # it knows nothing: resync from 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from cluster.up import bounded
+from cluster.up import bounded, local_drafter_secret
 
 
 def test_a_hanging_step_is_gone_past_after_its_bound(capsys):
@@ -32,6 +32,24 @@ def test_a_step_that_finishes_returns_true_at_once():
     t0 = time.monotonic()
     assert bounded(lambda: done.append(1), 30.0, "serve.shutdown") is True
     assert done == [1] and time.monotonic() - t0 < 5.0
+
+
+def test_a_local_cluster_with_drafters_gets_a_new_wire_secret_per_start():
+    """`specserve up` of the local default with a remote drafter needs no secret set by hand."""
+    from pathlib import Path
+
+    import yaml
+
+    from cluster.bench.remote import bench_config
+    from cluster.config import parse_config
+    from cluster.draft_wire import SECRET_ENV, secret_from_env
+
+    local = yaml.safe_load((Path(__file__).resolve().parents[2] / "cluster" / "configs" / "local-cpu.yaml").read_text())
+    with_drafter = parse_config(bench_config(local, 1, 2, 3, 4, timeout_s=0.5))
+    first, second = local_drafter_secret(with_drafter, {}), local_drafter_secret(with_drafter, {})
+    assert secret_from_env(first) and first[SECRET_ENV] != second[SECRET_ENV]
+    assert local_drafter_secret(with_drafter, {SECRET_ENV: "set-by-the-operator-0123"}) == {}  # kept
+    assert local_drafter_secret(parse_config(local), {}) == {}  # no drafters, no secret
 
 
 # -- signals during start-up ----------------------------------------------------------------------

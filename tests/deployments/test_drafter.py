@@ -3,38 +3,18 @@ model; state is kept, rolled back, resynced and bounded. A tiny random Llama, no
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from cluster.draft_wire import recv_frame, send_frame  # noqa: E402
 from deployments.drafter import DraftModel, Drafter, DraftServer  # noqa: E402
+from tests.drafter_peer import SECRET, call, connect, greedy, tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def hf_model():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
-def greedy(hf_model, context: list[int], k: int) -> list[int]:
-    """Reference: k greedy tokens after `context`, full recompute each token (no cache)."""
-    ids = list(context)
-    out = []
-    with torch.inference_mode():
-        for _ in range(k):
-            logits = hf_model(torch.tensor([ids])).logits[0, -1]
-            tok = int(logits.argmax())
-            out.append(tok)
-            ids.append(tok)
-    return out
+    return tiny_llama()
 
 
 def test_drafts_equal_greedy_decoding_for_a_batch_of_different_lengths(hf_model):
@@ -99,17 +79,19 @@ def test_memory_is_bounded_by_eviction_lru_and_idle_ttl(hf_model):
     assert drafter.stats.sequences == 0 and drafter.stats.evicted_idle >= 1
 
 
-def test_server_answers_framed_requests_over_tcp_and_rejects_malformed_ones(hf_model):
-    server = DraftServer(Drafter(DraftModel(hf_model)), "127.0.0.1", 0)
+def test_server_answers_authenticated_requests_and_rejects_malformed_ones(hf_model):
+    server = DraftServer(Drafter(DraftModel(hf_model)), "127.0.0.1", 0, secret=SECRET)
     try:
-        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
-            send_frame(s, {"client": "t", "evict": [], "seqs": [["a", 0, [5, 6, 7], 3]]})
-            reply = recv_frame(s)
-            assert reply["drafts"] == [greedy(hf_model, [5, 6, 7], 3)] and reply["resync"] == [-1]
-            assert reply["compute_s"] >= 0
-            send_frame(s, {"seqs": [["a", 0, [1], 1]]})  # no client
-            assert "error" in recv_frame(s)
-            send_frame(s, {"client": "t", "seqs": []})  # a ping on the same connection still works
-            assert recv_frame(s)["drafts"] == []
+        ch, limits = connect(server)
+        assert limits.vocab_size == 97 and limits.max_k == 16 and limits.max_seqs == 256
+        reply = call(ch, {"client": "t", "evict": [], "seqs": [["a", 0, [5, 6, 7], 3]]})
+        assert reply["drafts"] == [greedy(hf_model, [5, 6, 7], 3)] and reply["resync"] == [-1]
+        assert reply["compute_s"] >= 0
+        assert "client" in call(ch, {"seqs": [["a", 0, [1], 1]]})["error"]  # no client
+        assert call(ch, {"client": "t", "seqs": []})["drafts"] == []  # a ping on the same connection still works
     finally:
         server.close()
+
+
+def test_the_model_reports_the_ids_it_can_embed_and_score(hf_model):
+    assert DraftModel(hf_model).vocab_size == 97

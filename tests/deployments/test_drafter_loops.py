@@ -9,15 +9,13 @@ import socket
 import struct
 import time
 
-from cluster.draft_wire import recv_frame, send_frame
 from deployments.drafter import Drafter, DraftServer
+from tests.drafter_peer import SECRET, call, connect
 from tests.waiting import wait_until
 
 
-
-
 def server():
-    return DraftServer(Drafter(model=None), "127.0.0.1", 0)
+    return DraftServer(Drafter(model=None), "127.0.0.1", 0, secret=SECRET)
 
 
 def warnings(caplog) -> list[str]:
@@ -29,11 +27,11 @@ def test_a_peer_closing_its_connection_is_logged_and_counted(caplog):
     stats = srv.drafter.stats
     try:
         with caplog.at_level(logging.WARNING, logger="specserve.drafter"):
-            with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
-                send_frame(s, {"client": "t", "seqs": []})  # a ping
-                assert recv_frame(s)["drafts"] == []
+            ch, _ = connect(srv)
+            with ch.sock:
+                assert call(ch, {"client": "t", "seqs": []})["drafts"] == []  # a ping
                 assert wait_until(lambda: stats.connections == 1)
-                port = s.getsockname()[1]
+                port = ch.sock.getsockname()[1]
             assert wait_until(lambda: stats.connections_ended == 1)
         assert stats.connections == 0 and stats.connection_errors == 0
         (msg,) = warnings(caplog)
@@ -42,13 +40,14 @@ def test_a_peer_closing_its_connection_is_logged_and_counted(caplog):
         srv.close()
 
 
-def test_a_malformed_frame_ends_the_connection_as_an_error(caplog):
+def test_an_oversized_frame_ends_the_connection_as_an_error(caplog):
     srv = server()
     stats = srv.drafter.stats
     try:
         with caplog.at_level(logging.WARNING, logger="specserve.drafter"):
-            with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
-                s.sendall(struct.pack(">I", 2**31))  # a frame far past the limit
+            ch, _ = connect(srv)
+            with ch.sock:
+                ch.sock.sendall(struct.pack(">I", 2**31))  # a frame far past the limit
                 assert wait_until(lambda: stats.connection_errors == 1)
         assert stats.connections_ended == 1
         assert any("exceeds" in m for m in warnings(caplog))
@@ -61,8 +60,9 @@ def test_a_bug_in_handling_a_frame_ends_the_connection_logged_not_silently(caplo
     monkeypatch.setattr(srv, "handle", lambda msg: 1 / 0)
     try:
         with caplog.at_level(logging.WARNING, logger="specserve.drafter"):
-            with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
-                send_frame(s, {"client": "t", "seqs": []})
+            ch, _ = connect(srv)
+            with ch.sock:
+                ch.send({"client": "t", "seqs": []}, time.monotonic() + 5)
                 assert wait_until(lambda: srv.drafter.stats.connection_errors == 1)
         assert any("ZeroDivisionError" in m for m in warnings(caplog))
         assert srv.alive()  # the listener is unaffected
@@ -86,9 +86,9 @@ def test_the_accept_loop_ending_on_an_error_is_logged_and_counted(caplog):
 def test_close_ends_the_loops_without_warnings(caplog):
     srv = server()
     with caplog.at_level(logging.WARNING, logger="specserve.drafter"):
-        s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        ch, _ = connect(srv)
         assert wait_until(lambda: srv.drafter.stats.connections == 1)
         srv.close()
         assert wait_until(lambda: srv.drafter.stats.connections == 0 and not srv._thread.is_alive())
-        s.close()
+        ch.sock.close()
     assert warnings(caplog) == [] and srv.drafter.stats.accept_failures == 0

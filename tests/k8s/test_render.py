@@ -11,8 +11,8 @@ import yaml
 from cluster.config import ConfigError, load_config, parse_config
 from cluster.kustomize import _new_image, build, strategic_merge
 from cluster.render import (
-    RenderSettings, _start_params, api_key_env, api_key_volume, deep_merge, k8s_config_errors, load_settings, main,
-    placement_errors, serve_config,
+    RenderSettings, _start_params, api_key_env, api_key_volume, deep_merge, drafter_secret_env, k8s_config_errors,
+    load_settings, main, placement_errors, serve_config,
 )
 from tests.k8s.k8s_checks import K8S, ROOT
 
@@ -157,6 +157,16 @@ def test_api_keys_reach_the_pods_by_reference_only():
     assert mount == {"name": "api-keys", "mountPath": "/etc/specserve/keys", "readOnly": True}
     _, file_only = _cfg({"a": {"model": "m"}}, auth={"enabled": True, "api_keys_env": None, "api_keys_file": "/k/f"})
     assert api_key_env(file_only, settings) == []
+
+
+def test_the_drafter_wire_secret_reaches_the_pods_by_reference_only_when_drafters_run():
+    settings = _settings(ONE)
+    _, plain = _cfg({"a": {"model": "m"}})
+    assert drafter_secret_env(plain, settings) == []
+    _, remote = _cfg({"a": {"model": "m", "method": "remote_draft", "remote_drafter": "d1", "max_k": 4}},
+                     drafters={"d1": {"model": "d"}})
+    assert drafter_secret_env(remote, settings) == [{"name": "SPECSERVE_DRAFTER_SECRET", "valueFrom": {
+        "secretKeyRef": {"name": "specserve-drafter", "key": "secret"}}}]
 
 
 @pytest.mark.parametrize("extra,needle", [

@@ -11,7 +11,8 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 # The service sections live in cluster.config_sections; importers reach every section through here.
 from cluster.config_sections import (  # noqa: F401
-    ApiConfig, AuthConfig, LimitsConfig, RayConfig, RedisConfig, RouterConfig, Strict, TeachingConfig, TlsConfig,
+    ApiConfig, AuthConfig, DrafterWireConfig, LimitsConfig, RayConfig, RedisConfig, RouterConfig, Strict, TeachingConfig,
+    TlsConfig,
 )
 from cluster.speculation import WORKLOAD_CLASSES, SpecMode
 
@@ -102,8 +103,13 @@ class DrafterDeploymentConfig(Strict):
     max_sequences: int = Field(256, ge=1, description="Sequences whose draft state one replica keeps (LRU beyond).")
     idle_ttl_s: float = Field(120.0, gt=0, description="A sequence idle this long is forgotten (its target died).")
     max_context: int = Field(8192, ge=16, description="Sequences longer than this get no drafts.")
+    max_k: int = Field(16, ge=1, le=64, description="Most drafts per sequence per call (pools' max_k at most this).")
     port: int = Field(0, ge=0, le=65535, description="TCP port of the per-step draft endpoint (0: any free port).")
-    env: dict[str, str] = Field(default_factory=dict, description="Environment of the replica's process.")
+    wire: DrafterWireConfig = Field(default_factory=DrafterWireConfig)
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment of the replica's process (in Ray's GCS: not for secrets; the wire's comes "
+                    "from SPECSERVE_DRAFTER_SECRET in the node's environment).")
 
     @field_validator("resources")
     @classmethod
@@ -112,6 +118,17 @@ class DrafterDeploymentConfig(Strict):
             if amount < 0:
                 raise ValueError(f"resource {res!r} must be >= 0, got {amount}")
         return v
+
+    @model_validator(mode="after")
+    def _wire_fits_context(self) -> "DrafterDeploymentConfig":
+        # A sequence is sent whole after a resync: one call, one frame (ids take up to 5 bytes each).
+        if self.wire.max_tokens_per_call < self.max_context:
+            raise ValueError(f"wire.max_tokens_per_call ({self.wire.max_tokens_per_call}) must be at least "
+                             f"max_context ({self.max_context})")
+        if self.wire.max_frame_bytes < 5 * self.max_context + 4096:
+            raise ValueError(f"wire.max_frame_bytes ({self.wire.max_frame_bytes}) must hold a sequence of "
+                             f"max_context tokens: at least {5 * self.max_context + 4096}")
+        return self
 
 
 class DraftCostPrior(Strict):
@@ -333,6 +350,9 @@ class ClusterConfig(Strict):
                 raise ValueError(
                     f"pools.{name}.remote_drafter: unknown drafter {pool.remote_drafter!r}; known: {sorted(self.drafters)}"
                 )
+            if pool.remote_drafter and pool.max_k > self.drafters[pool.remote_drafter].max_k:
+                raise ValueError(f"pools.{name}.max_k: {pool.max_k} is more than drafters.{pool.remote_drafter}.max_k "
+                                 f"({self.drafters[pool.remote_drafter].max_k}), which its drafter drafts at most")
         for name, d in self.drafters.items():
             if d.model not in self.models:
                 raise ValueError(f"drafters.{name}.model: unknown model {d.model!r}; known: {sorted(self.models)}")

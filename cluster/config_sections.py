@@ -174,6 +174,21 @@ class AuthConfig(Strict):
         return self
 
 
+class DrafterWireConfig(Strict):
+    """Bounds of a drafter's per-step endpoint (`deployments/draft_server.py`; docs/security.md). A
+    request past them gets an error reply and changes nothing; the targets keep inside them."""
+
+    max_frame_bytes: int = Field(
+        1 << 20, ge=64 << 10, le=16 << 20, description="Largest request frame (a whole batch's new tokens).")
+    max_tokens_per_call: int = Field(
+        16384, ge=16, description="Tokens in one call, all sequences together (more wait for the next step).")
+    max_connections: int = Field(
+        64, ge=1, description="Connections at once (a quarter of them, at least 4, may be in their handshake).")
+    idle_timeout_s: float = Field(300.0, gt=0, description="A connection without a request this long is closed.")
+    recv_timeout_s: float = Field(
+        5.0, gt=0, description="A handshake, and each request frame from its first byte, must arrive within this.")
+
+
 class LimitsConfig(Strict):
     """Size limits of the front doors, checked before a request costs more than its bytes."""
 

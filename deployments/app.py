@@ -54,7 +54,8 @@ class DrafterReplica(DrafterServer):
         setup_replica_logging()
         super().__init__(name, resolve_model(d.model, config), dtype=config.models[d.model].dtype,
                          max_sequences=d.max_sequences, idle_ttl_s=d.idle_ttl_s, max_context=d.max_context,
-                         port=d.port, num_threads=max(int(d.resources.get("CPU", 1)), 1))
+                         port=d.port, num_threads=max(int(d.resources.get("CPU", 1)), 1), max_k=d.max_k,
+                         wire=d.wire.model_dump())
 
 
 class RouterReplica(Router):

@@ -37,6 +37,12 @@ def test_a_remote_pool_is_the_draft_pool_with_its_drafter_in_a_deployment():
     (lambda r: r["drafters"]["bench"].update(model="nope"), "drafters.bench.model"),
     (lambda r: r["drafters"]["bench"].update(resources={"GPU": -1}), "drafters.bench.resources"),
     (lambda r: r["pools"]["remote"].update(remote_timeout_s=0), "pools.remote.remote_timeout_s"),
+    (lambda r: r["drafters"]["bench"].update(max_k=2), "pools.remote.max_k"),  # the pool asks for more
+    (lambda r: r["drafters"]["bench"].update(wire={"max_tokens_per_call": 100}), "wire.max_tokens_per_call"),
+    (lambda r: r["drafters"]["bench"].update(wire={"max_frame_bytes": 64 << 20}), "drafters.bench.wire.max_frame_bytes"),
+    (lambda r: r["drafters"]["bench"].update(max_context=16384, wire={"max_tokens_per_call": 16384,
+                                                                      "max_frame_bytes": 65536}), "wire.max_frame_bytes"),
+    (lambda r: r["drafters"]["bench"].update(wire={"recv_timeout_s": 0}), "drafters.bench.wire.recv_timeout_s"),
 ])
 def test_bad_remote_configs_name_the_field(mutate, field):
     raw = remote_raw()
@@ -53,6 +59,28 @@ def test_engine_of_a_remote_pool_loads_the_remote_proposer_with_its_timeout():
                                         "model": "cluster.remote_proposer.RemoteDraftProposer"}
     assert kw["worker_extension_cls"] == "cluster.remote_proposer.RemoteDraftWorkerExtension"
     assert kw["additional_config"]["specserve"]["remote_drafter"] == {"timeout_s": 0.5, "reprobe_s": 1.0}
+
+
+def test_the_engine_config_names_no_secret():
+    """vLLM logs its config: the wire's secret reaches the engine through its environment only."""
+    pool = parse_config(remote_raw()).pools["remote"]
+    assert "secret" not in str(engine_kwargs(pool, "/m", None, "m")).lower()
+
+
+def test_a_drafter_replica_gets_its_wire_bounds_from_the_config(monkeypatch):
+    import deployments.app as app
+
+    seen = {}
+    monkeypatch.setattr(app.DrafterServer, "__init__", lambda self, *a, **kw: seen.update(kw))
+    monkeypatch.setattr("cluster.models.resolve_model", lambda name, config: f"/models/{name}")
+    monkeypatch.setattr("cluster.logsafe.setup_replica_logging", lambda: None)  # the test process's logging stays
+    raw = remote_raw()
+    raw["drafters"]["bench"].update(max_k=6, wire={"max_connections": 9, "idle_timeout_s": 60})
+    cfg = parse_config(raw)
+    app.DrafterReplica("bench", cfg.drafters["bench"], cfg)
+    assert seen["max_k"] == 6
+    assert seen["wire"] == {"max_frame_bytes": 1 << 20, "max_tokens_per_call": 16384, "max_connections": 9,
+                            "idle_timeout_s": 60.0, "recv_timeout_s": 5.0}
 
 
 def test_drafter_deployment_options_carry_custom_resources_of_its_node_group():

@@ -18,6 +18,9 @@ behaviour (issue 31, items 2, 3, 4, 5, 6, 8 and 10):
 - throughout, the router replica and the proxy stay within MEMORY_BOUND_MIB of resident memory
   growth (measured with psutil when the cluster runs on this machine).
 
+Item 1 (the drafter wire) needs a cluster with a drafter deployment: its probes against the live
+drafter are in tests/e2e/test_remote_drafter.py (`test_hostile_clients_neither_use_nor_stop_the_drafter`).
+
 Against the dev cluster: SPECSERVE_TEST_ATTACH=/tmp/dev/cluster.yaml pytest -s tests/e2e/test_hostile.py
 """
 

@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from cluster.redis_server import free_port
 from tests.e2e.conftest import launch_cluster
 from tests.e2e.helpers import chat_all, dev_prompts
 
@@ -37,7 +38,8 @@ def remote_overrides(raw: dict) -> None:
                   max_ongoing_requests=32, max_queued_requests=64,
                   health_probe_timeout_s=90)  # a busy shared 2-core machine must not recycle the engine
     raw["models"]["smollm2-135m-draft-l4"] = {"source": f"truncate:{draft['model']}:4", "dtype": "float32"}
-    raw["drafters"] = {"l4": {"model": "smollm2-135m-draft-l4", "replicas": 1, "resources": {"CPU": 1}}}
+    raw["drafters"] = {"l4": {"model": "smollm2-135m-draft-l4", "replicas": 1, "resources": {"CPU": 1},
+                              "port": free_port()}}  # known, for the hostile probes (the status page hides it)
     # The same small model through vLLM's own `draft_model` method, in-engine (the embedded default's
     # draft pool is an EAGLE head now, so this is where that method runs end to end).
     in_engine = copy.deepcopy(draft)
@@ -80,6 +82,61 @@ def test_in_engine_draft_model_is_lossless_at_every_k(remote_cluster):
             assert _stats(b)["mode"] == "draft_model" and _stats(b)["pool"] == "draft" and _stats(b)["k"] == k
             assert _stats(a)["token_ids"] == _stats(b)["token_ids"], f"K={k}: prompt {p['id']} ({p['category']}) differs"
         assert sum(_stats(b)["drafted"] for b in results) > 0, f"K={k}: nothing drafted"
+
+
+DRAFTER_MEMORY_BOUND_MIB = 64  # resident growth of the drafter replica over the hostile probes
+
+
+def _drafter_rss_mib(app: str) -> float:
+    import psutil
+
+    pids = _pids(f"ServeReplica:{app}:drafter-l4")
+    return sum(psutil.Process(p).memory_info().rss for p in pids) / (1 << 20)
+
+
+def test_hostile_clients_neither_use_nor_stop_the_drafter(remote_cluster):
+    """Issue 31 item 1 against the live drafter replica: the status page does not say where it
+    listens; garbage, an oversized prefix, a client without the secret, slowloris handshakes and
+    a connection flood get nothing and stop nothing; the engines keep drafting through it, and its
+    memory stays within DRAFTER_MEMORY_BOUND_MIB."""
+    import socket
+    import struct
+
+    from cluster.draft_wire import AuthError, client_handshake
+
+    app, port = remote_cluster.raw["name"], remote_cluster.raw["drafters"]["l4"]["port"]
+    status = httpx.get(f"{remote_cluster.http_url}/v1/specserve/status", timeout=30).text
+    assert f":{port}" not in status and "has_endpoint" in status
+    before = _drafter_rss_mib(app)
+    addr = ("127.0.0.1", port)
+    for payload in (os.urandom(4096), struct.pack(">I", 60 << 20), b"GET / HTTP/1.1\r\n\r\n"):
+        with socket.create_connection(addr, timeout=10) as s:
+            s.sendall(payload)
+            s.settimeout(10)
+            try:
+                while s.recv(65536):
+                    pass  # the drafter's hello, maybe an error frame, then the close
+            except ConnectionResetError:
+                pass
+    with socket.create_connection(addr, timeout=10) as s, pytest.raises(AuthError):
+        client_handshake(s, b"not-the-cluster-secret-0123", time.monotonic() + 10, 1 << 20)
+    prompts = dev_prompts(4)
+    asyncio.run(chat_all(remote_cluster.http_url, prompts[:1], {"mode": "remote_draft", "k": 4}, max_tokens=4))
+    flood = []  # (the engines' own connection is fresh: it need not reconnect during the flood)
+    for _ in range(80):  # past max_connections and the handshake cap; they trickle, never prove
+        try:
+            c = socket.create_connection(addr, timeout=5)
+            c.sendall(b"\x00")
+            flood.append(c)
+        except OSError:
+            break
+    results = asyncio.run(chat_all(remote_cluster.http_url, prompts, {"mode": "remote_draft", "k": 4}, max_tokens=24))
+    assert sum(_stats(r)["drafted"] for r in results) > 0, "the engines stopped drafting under the flood"
+    for c in flood:
+        c.close()
+    after = _drafter_rss_mib(app)
+    print(f"[hostile drafter] resident MiB before {before:.0f}, after {after:.0f}")
+    assert after - before < DRAFTER_MEMORY_BOUND_MIB
 
 
 def _pids(pattern: str) -> list[int]:

@@ -93,7 +93,7 @@ def test_garbage_bytes_are_dropped_at_the_handshake(server, hf_model):
     s = raw_after_hello(server)
     s.sendall(b"GET / HTTP/1.1\r\nHost: drafter\r\n\r\n" + os.urandom(200))
     assert closed_by_server(s, 5)
-    assert wait_until(lambda: server.drafter.stats.handshake_failures == 1)
+    assert wait_until(lambda: server.drafter.stats.handshake_failures == 1, timeout_s=30)
     assert server.drafter.stats.calls == 0
     assert serves_a_good_client(server, hf_model)
 
@@ -102,7 +102,7 @@ def test_an_oversized_length_prefix_before_the_handshake_is_refused_at_once(serv
     s = raw_after_hello(server)
     t0 = time.monotonic()
     s.sendall(struct.pack(">I", 60 << 20))  # under the old 64 MiB bound: it used to be read
-    assert closed_by_server(s, 5) and time.monotonic() - t0 < 2
+    assert closed_by_server(s, 10) and time.monotonic() - t0 < 5  # not waiting for 60 MiB
     assert serves_a_good_client(server, hf_model)
 
 
@@ -116,25 +116,28 @@ def test_a_client_without_the_secret_gets_no_drafts(server, hf_model):
     s.sendall(struct.pack(">I", len(body)) + body)
     assert closed_by_server(s, 5)
     assert server.drafter.stats.calls == 0 and snapshot(server.drafter) == {}
-    assert wait_until(lambda: server.drafter.stats.handshake_failures == 2)
+    assert wait_until(lambda: server.drafter.stats.handshake_failures == 2, timeout_s=30)
     assert serves_a_good_client(server, hf_model)
+
+
+def trickle_until_closed(sock: socket.socket, claimed_bytes: int, max_s: float) -> float:
+    """Claim a frame of `claimed_bytes`, then send one byte every 50 ms (every recv is in time, the
+    frame would take claimed_bytes / 20 seconds); -> seconds until the server closed the socket."""
+    t0 = time.monotonic()
+    sock.sendall(struct.pack(">I", claimed_bytes))
+    while time.monotonic() - t0 < max_s:
+        try:
+            sock.send(b"x")
+        except OSError:
+            return time.monotonic() - t0
+        if closed_by_server(sock, 0.05):
+            return time.monotonic() - t0
+    return float("inf")
 
 
 def test_a_slowloris_handshake_is_dropped_after_the_receive_timeout(server, hf_model):
     s = raw_after_hello(server)
-    t0 = time.monotonic()
-    s.sendall(struct.pack(">I", 60))
-    closed = False
-    for _ in range(40):  # a byte every 50 ms: each recv would be in time; the frame never is
-        try:
-            s.send(b"x")
-        except OSError:
-            closed = True
-            break
-        if closed_by_server(s, 0.05):
-            closed = True
-            break
-    assert closed and time.monotonic() - t0 < RECV_TIMEOUT_S + 1.5
+    assert trickle_until_closed(s, 1000, max_s=20) < RECV_TIMEOUT_S + 5  # not the 50 s the frame would take
     assert serves_a_good_client(server, hf_model)
 
 
@@ -143,9 +146,7 @@ def test_a_slowloris_handshake_is_dropped_after_the_receive_timeout(server, hf_m
 
 def test_a_slowloris_request_is_dropped_after_the_receive_timeout(server, hf_model):
     ch, _ = connect(server)
-    t0 = time.monotonic()
-    ch.sock.sendall(struct.pack(">I", 100) + b"x")
-    assert closed_by_server(ch.sock, 5) and time.monotonic() - t0 < RECV_TIMEOUT_S + 1.5
+    assert trickle_until_closed(ch.sock, 1000, max_s=20) < RECV_TIMEOUT_S + 5
     assert serves_a_good_client(server, hf_model)
 
 
@@ -215,13 +216,13 @@ def test_an_authentic_frame_that_is_not_msgpack_gets_an_error_reply(server, hf_m
 
 def test_connections_past_the_cap_are_refused_and_the_rest_are_served(server, hf_model):
     held = [connect(server)[0] for _ in range(6)]
-    assert wait_until(lambda: server.drafter.stats.connections == 6)
+    assert wait_until(lambda: server.drafter.stats.connections == 6, timeout_s=30)
     extra = socket.create_connection(("127.0.0.1", server.port), timeout=5)
-    assert closed_by_server(extra, 5)  # no hello: closed at once
+    assert closed_by_server(extra, 10)  # no hello: closed at once
     assert server.drafter.stats.connections_refused == 1
     assert call(held[0], {"client": "t", "seqs": []})["drafts"] == []
     held.pop().sock.close()
-    assert wait_until(lambda: server.drafter.stats.connections == 5)
+    assert wait_until(lambda: server.drafter.stats.connections == 5, timeout_s=30)
     assert serves_a_good_client(server, hf_model)
 
 
@@ -230,10 +231,10 @@ def test_handshakes_under_way_are_capped_and_time_out(server, hf_model):
     pending = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(server.max_pending)]
     time.sleep(0.1)
     extra = socket.create_connection(("127.0.0.1", server.port), timeout=5)
-    assert closed_by_server(extra, 2)
+    assert closed_by_server(extra, 10)
     assert call(established, {"client": "t", "seqs": []})["drafts"] == []  # an established target is unaffected
     for s in pending:  # they never proved anything: dropped after the receive timeout
-        assert closed_by_server(s, RECV_TIMEOUT_S + 3)
+        assert closed_by_server(s, RECV_TIMEOUT_S + 10)
     assert serves_a_good_client(server, hf_model)
 
 
@@ -242,8 +243,8 @@ def test_an_idle_connection_is_closed_and_the_target_reconnects_without_a_failed
     try:
         ch, limits = connect(server)
         assert limits.idle_timeout_s == 0.6
-        assert closed_by_server(ch.sock, 3)
-        assert wait_until(lambda: server.drafter.stats.idle_closed == 1)
+        assert closed_by_server(ch.sock, 10)
+        assert wait_until(lambda: server.drafter.stats.idle_closed == 1, timeout_s=30)
         assert server.drafter.stats.connections_ended == 0  # an idle end is not a failure
         session = RemoteDraftSession(lambda ep: TcpDraftClient(ep, SECRET), timeout_s=5.0)
         session.set_endpoint(server.address)

@@ -30,9 +30,9 @@ def test_a_peer_closing_its_connection_is_logged_and_counted(caplog):
             ch, _ = connect(srv)
             with ch.sock:
                 assert call(ch, {"client": "t", "seqs": []})["drafts"] == []  # a ping
-                assert wait_until(lambda: stats.connections == 1)
+                assert wait_until(lambda: stats.connections == 1, timeout_s=30)
                 port = ch.sock.getsockname()[1]
-            assert wait_until(lambda: stats.connections_ended == 1)
+            assert wait_until(lambda: stats.connections_ended == 1, timeout_s=30)
         assert stats.connections == 0 and stats.connection_errors == 0
         (msg,) = warnings(caplog)
         assert f"127.0.0.1:{port}" in msg and "after 1 frames" in msg and "closed by peer" in msg
@@ -48,7 +48,7 @@ def test_an_oversized_frame_ends_the_connection_as_an_error(caplog):
             ch, _ = connect(srv)
             with ch.sock:
                 ch.sock.sendall(struct.pack(">I", 2**31))  # a frame far past the limit
-                assert wait_until(lambda: stats.connection_errors == 1)
+                assert wait_until(lambda: stats.connection_errors == 1, timeout_s=30)
         assert stats.connections_ended == 1
         assert any("exceeds" in m for m in warnings(caplog))
     finally:
@@ -63,7 +63,7 @@ def test_a_bug_in_handling_a_frame_ends_the_connection_logged_not_silently(caplo
             ch, _ = connect(srv)
             with ch.sock:
                 ch.send({"client": "t", "seqs": []}, time.monotonic() + 5)
-                assert wait_until(lambda: srv.drafter.stats.connection_errors == 1)
+                assert wait_until(lambda: srv.drafter.stats.connection_errors == 1, timeout_s=30)
         assert any("ZeroDivisionError" in m for m in warnings(caplog))
         assert srv.alive()  # the listener is unaffected
     finally:
@@ -76,7 +76,7 @@ def test_the_accept_loop_ending_on_an_error_is_logged_and_counted(caplog):
         with caplog.at_level(logging.WARNING, logger="specserve.drafter"):
             srv._sock.shutdown(socket.SHUT_RDWR)  # the listening socket fails under the loop
             srv._sock.close()
-            assert wait_until(lambda: not srv._thread.is_alive())
+            assert wait_until(lambda: not srv._thread.is_alive(), timeout_s=30)
         assert srv.drafter.stats.accept_failures == 1 and not srv.alive()
         assert any("accept loop ended" in m and srv.address in m for m in warnings(caplog))
     finally:
@@ -87,8 +87,8 @@ def test_close_ends_the_loops_without_warnings(caplog):
     srv = server()
     with caplog.at_level(logging.WARNING, logger="specserve.drafter"):
         ch, _ = connect(srv)
-        assert wait_until(lambda: srv.drafter.stats.connections == 1)
+        assert wait_until(lambda: srv.drafter.stats.connections == 1, timeout_s=30)
         srv.close()
-        assert wait_until(lambda: srv.drafter.stats.connections == 0 and not srv._thread.is_alive())
+        assert wait_until(lambda: srv.drafter.stats.connections == 0 and not srv._thread.is_alive(), timeout_s=30)
         ch.sock.close()
     assert warnings(caplog) == [] and srv.drafter.stats.accept_failures == 0

@@ -114,7 +114,7 @@ class TcpDraftClient:
                 except BaseException:
                     sock.close()
                     raise
-            except (OSError, WireError, BodyError) as e:  # socket.timeout is an OSError; BadFrame a ValueError
+            except (OSError, WireError, BodyError) as e:  # socket.timeout is an OSError; bad limits (BadFrame) go up as they are
                 raise DrafterUnavailable(f"connect: {type(e).__name__}: {e}") from None
             self._ch = ch
         self._last_used = now

@@ -150,7 +150,7 @@ class DraftServer:
         try:
             return server_handshake(conn, self._secret, self.limits.to_wire(),
                                     time.monotonic() + self.recv_timeout_s, self.limits.max_frame_bytes)
-        except (WireError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - WireError, OSError, or a bug: this peer is dropped, the rest go on
             self.drafter.stats.handshake_failures += 1
             self._warn_auth("drafter endpoint %s: a connection from %s failed its handshake: %s", self.address,
                             _peer(peer), f"{type(e).__name__}: {e}"[:200])

@@ -151,6 +151,8 @@ class DraftServer:
             return server_handshake(conn, self._secret, self.limits.to_wire(),
                                     time.monotonic() + self.recv_timeout_s, self.limits.max_frame_bytes)
         except Exception as e:  # noqa: BLE001 - WireError, OSError, or a bug: this peer is dropped, the rest go on
+            if self._closed.is_set():
+                return None  # close() cut it short: not the peer's failure
             self.drafter.stats.handshake_failures += 1
             self._warn_auth("drafter endpoint %s: a connection from %s failed its handshake: %s", self.address,
                             _peer(peer), f"{type(e).__name__}: {e}"[:200])

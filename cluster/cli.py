@@ -75,7 +75,11 @@ def cmd_status(args) -> int:
         import ray
         from ray import serve
 
-        ray.init(address="auto", logging_level=logging.ERROR)
+        from cluster.placement import driver_log_levels, ray_attach_kwargs
+
+        for name, level in driver_log_levels(verbose=False).items():  # the JSON below is the whole output
+            logging.getLogger(name).setLevel(level)
+        ray.init(**ray_attach_kwargs())
         st = serve.status()
         out["applications"] = {
             name: {"status": str(app.status),
@@ -268,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start the cluster from a config and serve until interrupted")
     up.add_argument("--config", default=DEFAULT_CONFIG)
     up.add_argument("--wait-s", type=float, default=900.0, help="bound on start-up")
+    up.add_argument("--verbose", "--show-logs", action="store_true",
+                    help="also show the engines' and Ray workers' logs here (always in the log directory it prints)")
     up.set_defaults(func=cmd_up)
 
     g = sub.add_parser("generate", help="send one request")

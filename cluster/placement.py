@@ -32,11 +32,15 @@ def ray_node_env(config: ClusterConfig) -> dict[str, str]:
     return {GRPC_MAX_MESSAGE_ENV: str(config.api.limits.grpc_max_message_bytes)}
 
 
-def ray_init_kwargs(config: ClusterConfig, pythonpath: str) -> dict[str, Any]:
+def ray_init_kwargs(config: ClusterConfig, pythonpath: str, log_to_driver: bool = False) -> dict[str, Any]:
     """Arguments of `ray.init` for `specserve up`: join ray.address, or start a local Ray whose
-    processes bind to ray.node_ip_address (loopback by default: nothing of Ray on the network)."""
+    processes bind to ray.node_ip_address (loopback by default: nothing of Ray on the network).
+
+    `log_to_driver`: whether Ray copies every worker's stdout and stderr (vLLM engines, Serve's
+    controller and proxies) to this terminal. Off, a start-up prints a few lines instead of
+    hundreds; the workers write them to the session's log directory either way."""
     kwargs: dict[str, Any] = dict(address=config.ray.address, include_dashboard=False, logging_level=logging.WARNING,
-                                  runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+                                  log_to_driver=log_to_driver, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
     if not config.ray.address:
         kwargs["num_cpus"] = config.ray.num_cpus
         if config.ray.node_ip_address:
@@ -44,6 +48,30 @@ def ray_init_kwargs(config: ClusterConfig, pythonpath: str) -> dict[str, Any]:
         if config.ray.metrics_export_port:
             kwargs["_metrics_export_port"] = config.ray.metrics_export_port
     return kwargs
+
+
+def ray_attach_kwargs() -> dict[str, Any]:
+    """Arguments of `ray.init` for a client command that reads the running cluster (`specserve
+    status`): attach to it and print only the command's own output, none of the workers' and no
+    Ray log line below ERROR."""
+    return dict(address="auto", logging_level=logging.ERROR, log_to_driver=False)
+
+
+# Importing ray.serve gives the driver's `ray.serve` logger its own stderr handler at INFO (its
+# "Started Serve in namespace ..." lines); the workers' Serve logs reach the terminal only through
+# log_to_driver.
+SERVE_LOGGER = "ray.serve"
+
+
+def driver_log_levels(verbose: bool) -> dict[str, int]:
+    """Levels for loggers of this (driver) process: Serve's own progress lines only with `verbose`.
+
+    >>> driver_log_levels(False)
+    {'ray.serve': 30}
+    >>> driver_log_levels(True)
+    {}
+    """
+    return {} if verbose else {SERVE_LOGGER: logging.WARNING}
 
 
 def grpc_reflection(config: ClusterConfig) -> bool:

@@ -10,14 +10,16 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 log = logging.getLogger(__name__)
 
 RAY_WORKER_NICENESS_ENV = "RAY_worker_niceness"  # Ray's own setting (ray_constants.RAY_WORKER_NICENESS)
 
 
-def start_cluster(config_path: str, wait_s: float = 900.0):
-    """Start Redis (if local), Ray and the Serve application; return (config, redis handle)."""
+def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False):
+    """Start Redis (if local), Ray and the Serve application; return (config, redis handle).
+    `verbose`: the workers' output (engines, Serve) in this terminal too, not only in the log directory."""
     import ray
     from ray import serve
     from ray.serve import api as serve_api
@@ -27,11 +29,14 @@ def start_cluster(config_path: str, wait_s: float = 900.0):
     from cluster.models import prepare_all
     from cluster.deadline import proxy_timeout_s
     from cluster.placement import (
-        GRPC_SERVICER_FUNCTIONS, grpc_message_options, grpc_reflection, ray_init_kwargs, ray_node_env, used_drafters,
+        GRPC_SERVICER_FUNCTIONS, driver_log_levels, grpc_message_options, grpc_reflection, ray_init_kwargs, ray_node_env,
+        used_drafters,
     )
     from cluster.draft_wire import SECRET_ENV
     from deployments.app import build_app
 
+    for name, level in driver_log_levels(verbose).items():  # after `from ray import serve`: importing it sets ray.serve's
+        logging.getLogger(name).setLevel(level)
     config = load_config(config_path)  # 1. fail fast on a bad config
     print(f"[specserve] config {config_path}: {len(config.pools)} pools, models {config.served_models()}")
     t0 = time.monotonic()
@@ -57,8 +62,11 @@ def start_cluster(config_path: str, wait_s: float = 900.0):
             print(f"[specserve] note: drafters and engines read {SECRET_ENV} from their node's environment "
                   "(a joined cluster's nodes must have it; drafters refuse to start without it)", file=sys.stderr)
         # A local Ray binds to loopback (ray.node_ip_address): its processes take unauthenticated calls.
-        ray.init(**ray_init_kwargs(config, pythonpath=str(Path(__file__).resolve().parents[1])))
+        ctx = ray.init(**ray_init_kwargs(config, pythonpath=str(Path(__file__).resolve().parents[1]),
+                                         log_to_driver=verbose))
         interrupt_on_signals()  # ray.init replaced the SIGTERM handler with its own (sys.exit)
+        print(logs_line((getattr(ctx, "address_info", None) or {}).get("session_dir"), verbose,
+                        joined=not local))
         tls = config.api.tls
         http_tls = {}
         if tls.enabled:
@@ -95,6 +103,25 @@ def start_cluster(config_path: str, wait_s: float = 900.0):
         stop_cluster(redis_handle, forwarder)
         raise
     return config, redis_handle, forwarder
+
+
+def logs_line(session_dir: Optional[str], verbose: bool, joined: bool) -> str:
+    """The one line that says where the workers' logs are: Ray writes each worker's stdout and stderr
+    to `logs/worker-*.out|err` and Serve its components' logs to `logs/serve/` in the session
+    directory of the node the worker runs on (`session_dir`: this node's; None in Ray Client mode).
+
+    >>> print(logs_line("/tmp/ray/session_1", verbose=False, joined=False))
+    [specserve] logs: /tmp/ray/session_1/logs (engines, Ray workers, Serve; `specserve up --verbose` shows them here)
+    >>> print(logs_line("/tmp/ray/session_1", verbose=True, joined=True))
+    [specserve] logs: /tmp/ray/session_1/logs (engines, Ray workers, Serve; each Ray node keeps its own workers' logs)
+    """
+    notes = ["engines, Ray workers, Serve"]
+    if joined:
+        notes.append("each Ray node keeps its own workers' logs")
+    if not verbose:
+        notes.append("`specserve up --verbose` shows them here")
+    where = f"{session_dir}/logs" if session_dir else "/tmp/ray/session_latest/logs"
+    return f"[specserve] logs: {where} ({'; '.join(notes)})"
 
 
 def local_drafter_secret(config, environ) -> dict[str, str]:
@@ -238,7 +265,8 @@ def cmd_up(args) -> int:
     reaper.become_subreaper()  # an engine its Ray worker orphans is re-parented here, not to init
     try:
         try:
-            config, redis_handle, forwarder = start_cluster(args.config, wait_s=args.wait_s)
+            config, redis_handle, forwarder = start_cluster(args.config, wait_s=args.wait_s,
+                                                            verbose=getattr(args, "verbose", False))
         except (ConfigError, TlsConfigError) as e:
             print(f"specserve up: {e}", file=sys.stderr)
             return 2

@@ -1,12 +1,13 @@
-"""`cluster.up.bounded`: a shutdown step that hangs or raises does not stop the rest of the
-shutdown (Ray's `serve.shutdown()` once waited forever on a killed controller in CI)."""
+"""`cluster.up`: a shutdown step that hangs or raises does not stop the rest of the shutdown (Ray's
+`serve.shutdown()` once waited forever on a killed controller in CI); start-up is quiet unless
+--verbose; signals during start-up stop it."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from cluster.up import bounded, local_drafter_secret
+from cluster.up import bounded, local_drafter_secret, logs_line
 
 
 def test_a_hanging_step_is_gone_past_after_its_bound(capsys):
@@ -50,6 +51,48 @@ def test_a_local_cluster_with_drafters_gets_a_new_wire_secret_per_start():
     assert secret_from_env(first) and first[SECRET_ENV] != second[SECRET_ENV]
     assert local_drafter_secret(with_drafter, {SECRET_ENV: "set-by-the-operator-0123"}) == {}  # kept
     assert local_drafter_secret(parse_config(local), {}) == {}  # no drafters, no secret
+
+
+# -- quiet by default ------------------------------------------------------------------------------
+# A start-up printed some 500 lines of engine and Serve logs forwarded by Ray before "serving"; they
+# go to the session's log directory, whose path `up` prints once, and --verbose shows them as well.
+
+def test_up_is_quiet_unless_verbose_and_the_flag_reaches_start_cluster(monkeypatch):
+    from cluster import reaper, up
+    from cluster.cli import build_parser
+    from cluster.config import ConfigError
+
+    seen = []
+
+    def start_cluster(config_path, wait_s, verbose):
+        seen.append(verbose)
+        raise ConfigError("stop here")  # `up` returns 2 before starting anything
+
+    monkeypatch.setattr(up, "start_cluster", start_cluster)
+    monkeypatch.setattr(up, "interrupt_on_signals", lambda: None)  # keep pytest's own signal handlers
+    monkeypatch.setattr(reaper, "become_subreaper", lambda: False)
+    monkeypatch.setattr(reaper, "reap_descendants", lambda: [])
+    for argv, verbose in ((["up"], False), (["up", "--verbose"], True), (["up", "--show-logs"], True)):
+        args = build_parser().parse_args(argv)
+        assert args.func(args) == 2
+        assert seen.pop() is verbose, argv
+
+
+def test_the_log_directory_is_named_once_with_the_flag_that_shows_the_logs():
+    quiet = logs_line("/tmp/ray/session_x", verbose=False, joined=False)
+    assert quiet.startswith("[specserve] logs: /tmp/ray/session_x/logs ") and "--verbose" in quiet
+    assert "--verbose" not in logs_line("/tmp/ray/session_x", verbose=True, joined=False)
+    assert "each Ray node keeps its own" in logs_line("/tmp/ray/session_x", verbose=False, joined=True)
+    assert "/tmp/ray/session_latest/logs" in logs_line(None, verbose=False, joined=True)  # Ray Client: no local session
+
+
+def test_up_docstring_examples_hold():
+    import doctest
+
+    import cluster.up
+
+    result = doctest.testmod(cluster.up)
+    assert result.attempted > 0 and result.failed == 0
 
 
 # -- signals during start-up ----------------------------------------------------------------------

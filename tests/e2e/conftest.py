@@ -57,7 +57,8 @@ def launch_cluster(tmp: Path, name: str, mutate=None):
     log_path = tmp / "up.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", "--config", str(config_path)],
+        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", "--config", str(config_path),
+                                 "--verbose"],  # engine logs in up.log, for a failing test's report
                                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
                                 start_new_session=True)
     c = Cluster(config_path, raw, proc, log_path)

@@ -159,6 +159,10 @@ def test_an_engine_whose_replica_is_killed_stops_instead_of_leaking(tmp_path):
     proc, log_path, tag, raw = _start(tmp_path, wait_s=600)
     try:
         _wait_for(log_path, "[specserve] serving in", proc, 600)
+        # Quiet by default: what a newcomer sees until "serving" fits on one screen (engine and
+        # Ray output stays in the log directory unless --verbose).
+        before = log_path.read_text(errors="replace").split("[specserve] serving in")[0].splitlines()
+        assert len(before) <= 25, "start-up printed more than a screen:\n" + "\n".join(before[:60])
         replicas = _pids(tag, "ServeReplica:specserve-lifecycle:engine-ngram")
         engines = _pids(tag, "VLLM::EngineCore")
         assert len(replicas) == 1 and len(engines) == 1, _tagged(tag)

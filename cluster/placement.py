@@ -32,6 +32,22 @@ def ray_node_env(config: ClusterConfig) -> dict[str, str]:
     return {GRPC_MAX_MESSAGE_ENV: str(config.api.limits.grpc_max_message_bytes)}
 
 
+# Ray 2.60 turns a loopback `_node_ip_address` into this machine's routable address
+# (`ray._private.services.resolve_ip_for_localhost`) unless its "no clusters" switch is set; with it,
+# the GCS, raylet, workers and their gRPC servers listen on 127.0.0.1 only (seen with `ss -ltnp`).
+RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def local_ray_env(config: ClusterConfig) -> dict[str, str]:
+    """Environment for starting a local Ray (set before `ray.init`; its processes inherit it): the
+    node's environment, and Ray's switch that keeps it on loopback when ray.node_ip_address is one."""
+    env = ray_node_env(config)
+    ip = config.ray.node_ip_address
+    if ip and (ip == "localhost" or ip == "::1" or ip.startswith("127.")):
+        env[RAY_LOOPBACK_ENV] = "0"
+    return env
+
+
 def ray_init_kwargs(config: ClusterConfig, pythonpath: str, log_to_driver: bool = False) -> dict[str, Any]:
     """Arguments of `ray.init` for `specserve up`: join ray.address, or start a local Ray whose
     processes bind to ray.node_ip_address (loopback by default: nothing of Ray on the network).

@@ -29,7 +29,7 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
     from cluster.models import prepare_all
     from cluster.deadline import proxy_timeout_s
     from cluster.placement import (
-        GRPC_SERVICER_FUNCTIONS, driver_log_levels, grpc_message_options, grpc_reflection, ray_init_kwargs, ray_node_env,
+        GRPC_SERVICER_FUNCTIONS, driver_log_levels, grpc_message_options, grpc_reflection, local_ray_env, ray_init_kwargs,
         used_drafters,
     )
     from cluster.draft_wire import SECRET_ENV
@@ -56,7 +56,7 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
             os.environ.setdefault(RAY_WORKER_NICENESS_ENV, "0")
             # Read by the workers the raylet starts: the gRPC proxy's message-size bound (a joined
             # cluster's nodes must have it in their own environment, as the rendered manifests do).
-            os.environ.update(ray_node_env(config))
+            os.environ.update(local_ray_env(config))  # loopback too (placement.RAY_LOOPBACK_ENV)
             os.environ.update(local_drafter_secret(config, os.environ))
         elif used_drafters(config) and SECRET_ENV not in os.environ:
             print(f"[specserve] note: drafters and engines read {SECRET_ENV} from their node's environment "

@@ -4,13 +4,17 @@ loopback unless the config says otherwise; joining a cluster passes no local-onl
 from __future__ import annotations
 
 import inspect
+import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from cluster.config import load_config, parse_config
-from cluster.placement import driver_log_levels, ray_attach_kwargs, ray_init_kwargs
+from cluster.placement import RAY_LOOPBACK_ENV, driver_log_levels, local_ray_env, ray_attach_kwargs, ray_init_kwargs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "cluster" / "configs"
 
@@ -35,6 +39,36 @@ def test_node_address_is_configurable_and_joining_passes_no_local_arguments():
     joined = ray_init_kwargs(_cfg({"address": "auto", "num_cpus": 2, "metrics_export_port": 8090}), "/src")
     assert joined["address"] == "auto"
     assert not {"_node_ip_address", "num_cpus", "_metrics_export_port"} & set(joined)
+
+
+def test_loopback_needs_rays_switch_and_only_a_loopback_address_sets_it():
+    assert local_ray_env(load_config(CONFIGS / "local-cpu.yaml"))[RAY_LOOPBACK_ENV] == "0"
+    assert RAY_LOOPBACK_ENV not in local_ray_env(_cfg({"node_ip_address": "10.0.0.5"}))
+    assert RAY_LOOPBACK_ENV not in local_ray_env(_cfg({"node_ip_address": None}))
+
+
+_LISTENERS = """
+import json, psutil, ray
+from cluster.config import load_config
+from cluster.placement import ray_init_kwargs
+ctx = ray.init(**ray_init_kwargs(load_config(%r), pythonpath="."))
+pids = {p.pid for p in psutil.Process().children(recursive=True)} | {psutil.Process().pid}
+ips = sorted({c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.pid in pids})
+print(json.dumps({"node": ctx.address_info["node_ip_address"], "listen": ips}))
+ray.shutdown()
+"""
+
+
+def test_a_local_ray_started_as_up_starts_it_listens_on_loopback_only():
+    """A real Ray, started with `specserve up`'s environment and arguments for the local default:
+    its node address and every listening socket of its processes are loopback ones."""
+    env = {**os.environ, **local_ray_env(load_config(CONFIGS / "local-cpu.yaml"))}
+    out = subprocess.run([sys.executable, "-c", _LISTENERS % str(CONFIGS / "local-cpu.yaml")], env=env,
+                         capture_output=True, text=True, timeout=180, cwd=CONFIGS.parents[1])
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["node"] == "127.0.0.1", seen
+    assert seen["listen"] and all(ip in ("127.0.0.1", "::ffff:127.0.0.1") for ip in seen["listen"]), seen
 
 
 def test_workers_output_reaches_the_terminal_only_when_asked():

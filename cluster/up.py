@@ -20,16 +20,24 @@ RAY_WORKER_NICENESS_ENV = "RAY_worker_niceness"  # Ray's own setting (ray_consta
 def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False):
     """Start Redis (if local), Ray and the Serve application; return (config, redis handle).
     `verbose`: the workers' output (engines, Serve) in this terminal too, not only in the log directory."""
+    from cluster.config import load_config
+    from cluster.placement import local_ray_env
+
+    config = load_config(config_path)  # 1. fail fast on a bad config
+    if not config.ray.address:
+        # Before `import ray`, which reads the loopback switch among these (placement.RAY_LOOPBACK_ENV).
+        # Read by the workers the raylet starts too: the gRPC proxy's message-size bound (a joined
+        # cluster's nodes must have it in their own environment, as the rendered manifests do).
+        os.environ.update(local_ray_env(config))
     import ray
     from ray import serve
     from ray.serve import api as serve_api
     from ray.serve.config import gRPCOptions, HTTPOptions
 
-    from cluster.config import load_config
     from cluster.models import prepare_all
     from cluster.deadline import proxy_timeout_s
     from cluster.placement import (
-        GRPC_SERVICER_FUNCTIONS, driver_log_levels, grpc_message_options, grpc_reflection, local_ray_env, ray_init_kwargs,
+        GRPC_SERVICER_FUNCTIONS, driver_log_levels, grpc_message_options, grpc_reflection, ray_init_kwargs,
         used_drafters,
     )
     from cluster.draft_wire import SECRET_ENV
@@ -37,7 +45,6 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
 
     for name, level in driver_log_levels(verbose).items():  # after `from ray import serve`: importing it sets ray.serve's
         logging.getLogger(name).setLevel(level)
-    config = load_config(config_path)  # 1. fail fast on a bad config
     print(f"[specserve] config {config_path}: {len(config.pools)} pools, models {config.served_models()}")
     t0 = time.monotonic()
     paths = prepare_all(config)  # 2. model files, once (cached)
@@ -54,9 +61,6 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
             # ~60% of a stock server's speed side by side (BENCHMARKS.md, serving path). The engine
             # is the workload here, so workers run at the normal priority (read by the raylet).
             os.environ.setdefault(RAY_WORKER_NICENESS_ENV, "0")
-            # Read by the workers the raylet starts: the gRPC proxy's message-size bound (a joined
-            # cluster's nodes must have it in their own environment, as the rendered manifests do).
-            os.environ.update(local_ray_env(config))  # loopback too (placement.RAY_LOOPBACK_ENV)
             os.environ.update(local_drafter_secret(config, os.environ))
         elif used_drafters(config) and SECRET_ENV not in os.environ:
             print(f"[specserve] note: drafters and engines read {SECRET_ENV} from their node's environment "

@@ -118,8 +118,10 @@ def pin_serving_processes(all_cpus: frozenset[int], root_pid: int | None = None)
                 except OSError:  # the thread exited
                     pass
             moved += 1
-            log.info("pinned %s (pid %d) to cpus %s", info.name[:60], info.pid, sorted(reserved))
+            log.debug("pinned %s (pid %d) to cpus %s", info.name[:60], info.pid, sorted(reserved))
         except psutil.Error:
             continue
+    if moved:  # one line per pass, not one per process: the start-up output stays on one screen
+        log.info("pinned %d serving processes to cpus %s", moved, sorted(reserved))
     return moved
 

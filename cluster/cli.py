@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -71,29 +72,50 @@ def cmd_status(args) -> int:
     except httpx.HTTPError as e:
         out["healthy"] = False
         out["error"] = f"router not reachable: {e}"
-    try:
-        import ray
-        from ray import serve
-
-        from cluster.placement import driver_log_levels, ray_attach_kwargs
-
-        for name, level in driver_log_levels(verbose=False).items():  # the JSON below is the whole output
-            logging.getLogger(name).setLevel(level)
-        ray.init(**ray_attach_kwargs())
-        st = serve.status()
-        out["applications"] = {
-            name: {"status": str(app.status),
-                   "deployments": {d: {"status": str(ds.status),
-                                       "replicas": {str(k): v for k, v in ds.replica_states.items()}}
-                                   for d, ds in app.deployments.items()}}
-            for name, app in st.applications.items()
-        }
-    except Exception as e:  # noqa: BLE001 - status is best effort; report what failed
-        out["ray"] = f"not reachable: {type(e).__name__}: {e}"
+    out.update(_serve_applications(args.config or DEFAULT_CONFIG, timeout_s=args.ray_timeout))
     records = records or (out.get("router") or {}).get("autoscale") or {}
     out["pools"] = pool_status(cfg, out.get("router") or {}, records, rows, time.time())
     print(json.dumps(out, indent=2))
     return 0 if out.get("healthy") else 1
+
+
+def _serve_applications(config_path: str, timeout_s: float) -> dict:
+    """{"applications": Serve's status per application and deployment} from the running cluster's Ray,
+    or {"ray": why not}, within `timeout_s` (Ray's own attach retries for minutes)."""
+    from cluster.config import load_config
+    from cluster.placement import ray_attach_env
+
+    os.environ.update(ray_attach_env(load_config(config_path), os.environ))  # before `import ray`
+    result: dict = {"ray": f"not reachable within {timeout_s:g} s"}
+
+    def attach() -> None:
+        try:
+            import ray
+            from ray import serve
+
+            from cluster.placement import driver_log_levels, ray_attach_kwargs
+
+            for name, level in driver_log_levels(verbose=False).items():  # the JSON is the whole output
+                logging.getLogger(name).setLevel(level)
+            ray.init(**ray_attach_kwargs())
+            st = serve.status()
+            apps = {
+                name: {"status": str(app.status),
+                       "deployments": {d: {"status": str(ds.status),
+                                           "replicas": {str(k): v for k, v in ds.replica_states.items()}}
+                                       for d, ds in app.deployments.items()}}
+                for name, app in st.applications.items()
+            }
+            result.clear()
+            result["applications"] = apps
+        except Exception as e:  # noqa: BLE001 - status is best effort; report what failed
+            result.clear()
+            result["ray"] = f"not reachable: {type(e).__name__}: {e}"
+
+    t = threading.Thread(target=attach, name="ray-attach", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return dict(result)
 
 
 def pool_status(cfg, router: dict, records: dict, tuning_rows: list[dict], now_unix_s: float) -> dict:
@@ -291,7 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", help="pools (replicas, load, chosen K, the autoscaler's last decision), Redis")
     s.add_argument("--url", default=DEFAULT_URL)
-    s.add_argument("--config", default=None, help="also ping this config's Redis directly")
+    s.add_argument("--config", default=None, help="also ping this config's Redis directly "
+                   "(and attach to Ray as that config starts it; default: the local default's)")
+    s.add_argument("--ray-timeout", type=float, default=30.0, help="seconds to wait for Ray's answer")
     s.set_defaults(func=cmd_status)
 
     t = sub.add_parser("tuning", help="print the adaptive-K tuning table from Redis")

@@ -42,10 +42,35 @@ def local_ray_env(config: ClusterConfig) -> dict[str, str]:
     """Environment for starting a local Ray (set before `ray.init`; its processes inherit it): the
     node's environment, and Ray's switch that keeps it on loopback when ray.node_ip_address is one."""
     env = ray_node_env(config)
-    ip = config.ray.node_ip_address
-    if ip and (ip == "localhost" or ip == "::1" or ip.startswith("127.")):
+    if _is_loopback(config.ray.node_ip_address):
         env[RAY_LOOPBACK_ENV] = "0"
     return env
+
+
+def _is_loopback(host: Optional[str]) -> bool:
+    return bool(host) and (host == "localhost" or host == "::1" or host.startswith("127."))
+
+
+def ray_attach_env(config: ClusterConfig, environ: dict) -> dict[str, str]:
+    """Environment for a client process that attaches to the running cluster's Ray (`specserve
+    status`), set before `import ray`: the loopback switch when that Ray listens on loopback (the
+    local default), since without it Ray dials the machine's routable address, where nothing listens.
+
+    >>> from cluster.config import load_config
+    >>> local = load_config(str(Path(__file__).parent / "configs" / "local-cpu.yaml"))
+    >>> ray_attach_env(local, {})
+    {'RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER': '0'}
+    >>> ray_attach_env(local, {"RAY_ADDRESS": "10.0.0.5:6379"})
+    {}
+    >>> ray_attach_env(local, {"RAY_ADDRESS": "127.0.0.1:6379"})
+    {'RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER': '0'}
+    """
+    address = environ.get("RAY_ADDRESS") or config.ray.address
+    if address and address != "auto":
+        host = address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
+    else:
+        host = config.ray.node_ip_address if not config.ray.address else None
+    return {RAY_LOOPBACK_ENV: "0"} if _is_loopback(host) else {}
 
 
 def ray_init_kwargs(config: ClusterConfig, pythonpath: str, log_to_driver: bool = False) -> dict[str, Any]:

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from cluster.config import load_config, parse_config
-from cluster.placement import RAY_LOOPBACK_ENV, driver_log_levels, local_ray_env, ray_attach_kwargs, ray_init_kwargs
+from cluster.placement import (
+    RAY_LOOPBACK_ENV, driver_log_levels, local_ray_env, ray_attach_env, ray_attach_kwargs, ray_init_kwargs,
+)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "cluster" / "configs"
 
@@ -94,3 +96,16 @@ def test_every_argument_is_one_ray_init_takes(config):
     source = inspect.getsource(ray.init)
     for name in [*ray_init_kwargs(load_config(config), "/src"), *ray_attach_kwargs()]:
         assert name in named or (name in private and f'"{name}"' in source), name
+
+
+def test_a_client_attaches_with_the_loopback_switch_only_to_a_loopback_ray():
+    """`specserve status` attaches to the running Ray: to the local default's (loopback) with Ray's
+    loopback switch, else Ray dials the machine's routable address and retries for minutes; to a
+    joined or routable cluster without it (the switch would give the client a loopback node address)."""
+    local = load_config(CONFIGS / "local-cpu.yaml")
+    assert ray_attach_env(local, {}) == {RAY_LOOPBACK_ENV: "0"}
+    assert ray_attach_env(local, {"RAY_ADDRESS": "ray://localhost:10001"}) == {RAY_LOOPBACK_ENV: "0"}
+    assert ray_attach_env(local, {"RAY_ADDRESS": "10.1.2.3:6379"}) == {}
+    assert ray_attach_env(_cfg({"address": "auto"}), {}) == {}
+    assert ray_attach_env(_cfg({"address": "10.1.2.3:6379"}), {}) == {}
+    assert ray_attach_env(_cfg({"node_ip_address": "10.0.0.5"}), {}) == {}

@@ -4,6 +4,7 @@ greedy losslessness of every CPU mode at every K, and per-request K inside one e
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.helpers import chat, chat_all, dev_prompts
+from tests.e2e.helpers import chat, chat_all, crowded_share, dev_prompts
 
 # A prompt whose answer copies it: n-gram lookup drafts deep on it.
 COPY_PROMPT = ("Repeat the following paragraph word for word: The quick brown fox jumps over the lazy dog. "
@@ -36,10 +37,14 @@ def test_generate_cli_returns_text_and_stats(cluster):
 
 
 def test_status_reports_pools_and_redis(cluster):
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", cluster.http_url],
-                         capture_output=True, text=True, timeout=120)
+    """The router's view and Ray Serve's (attached to the local Ray on loopback), within the bound."""
+    out = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", cluster.http_url,
+                          "--ray-timeout", "60"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert '"ngram"' in out.stdout and '"draft"' in out.stdout and '"redis_ok"' in out.stdout
+    apps = json.loads(out.stdout).get("applications")
+    assert apps, out.stdout[-2000:] + out.stderr[-2000:]
+    assert all(d["status"].endswith("HEALTHY") for app in apps.values() for d in app["deployments"].values()), apps
 
 
 def _first_divergence(a: list[int], b: list[int]) -> int:
@@ -170,22 +175,39 @@ def test_router_decided_requests_get_their_k_per_step_in_the_engine(cluster):
 
 
 def test_above_the_pools_batch_bound_router_requests_decode_plainly(cluster):
-    """`step_k_max_batch`: router-decided copies in a batch above it verify (almost) no drafts,
-    where the same copy alone drafts deep, and the greedy text is the same."""
-    text, crowd_size = COPY_PROMPT, cluster.raw["pools"]["ngram"]["step_k_max_batch"] + 3
+    """`step_k_max_batch`: router-decided copies that run in a batch above it verify (almost) no
+    drafts, where the same copy alone drafts deep, and the greedy text is the same. Which copies
+    ran crowded is read from the router's own timing (a copy the serving path delays runs with
+    fewer), and the crowd is sent again (3 tries) until most of it did."""
+    bound = cluster.raw["pools"]["ngram"]["step_k_max_batch"]
+    text, crowd_size = COPY_PROMPT, bound + 3
+
+    async def timed(client):
+        r = (await chat(client, cluster.http_url, text, 64))["specserve"]
+        end = time.monotonic()
+        return {**r, "interval": (end - r["latency_s"], end)}
 
     async def run():
         async with httpx.AsyncClient() as client:
             alone = await chat(client, cluster.http_url, text, 64)
-            crowd = await asyncio.gather(*(chat(client, cluster.http_url, text, 64) for _ in range(crowd_size)))
-            return alone, crowd
+            crowds = []
+            for _ in range(3):
+                crowd = await asyncio.gather(*(timed(client) for _ in range(crowd_size)))
+                shares = crowded_share([r["interval"] for r in crowd], bound)
+                crowds.append([{**r, "crowded": share} for r, share in zip(crowd, shares)])
+                if sum(share >= 0.9 for share in shares) >= crowd_size // 2:
+                    break
+            return alone["specserve"], crowds
 
-    alone, crowd = asyncio.run(run())
-    alone, crowd = alone["specserve"], [r["specserve"] for r in crowd]
-    assert all(r["token_ids"] == alone["token_ids"] for r in crowd), "greedy text changed"
+    alone, crowds = asyncio.run(run())
+    crowd = crowds[-1]
+    seen = [[(r["drafted"], round(r["crowded"], 2), round(r["latency_s"], 2)) for r in c] for c in crowds]
+    assert all(r["token_ids"] == alone["token_ids"] for c in crowds for r in c), "greedy text changed"
     assert all(r["decided_by"] == "policy" and r["mode"] == "ngram" for r in crowd)
     assert alone["drafted"] >= 20, alone
-    assert sum(r["drafted"] for r in crowd) < 0.25 * crowd_size * alone["drafted"], [r["drafted"] for r in crowd]
+    crowded = [r for r in crowd if r["crowded"] >= 0.9]
+    assert len(crowded) >= crowd_size // 2, f"the crowd never ran together: (drafted, crowded share, latency) {seen}"
+    assert sum(r["drafted"] for r in crowded) < 0.25 * len(crowded) * alone["drafted"], seen
 
 
 def test_engines_run_at_normal_priority(cluster):

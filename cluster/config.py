@@ -49,7 +49,7 @@ class ModelConfig(Strict):
 
 class AutoscalingConfig(Strict):
     """Replicas of a pool between min and max. With `policy: goodput` (the default) the decision is
-    specserve's (`cluster.autoscale`): SLOs and what a replica carries without speculation, from the
+    specserve's (`cluster.autoscale.policy`): SLOs and what a replica carries without speculation, from the
     router's tuning state; with `policy: queue_length` it is Ray Serve's default policy."""
 
     min_replicas: int = Field(1, ge=0, description="Lower bound on engine replicas.")
@@ -177,7 +177,7 @@ class PoolConfig(Strict):
         description=(
             "Requests whose K the policy decides get it from the engine's scheduler at every step, up to "
             "max_k, from the batch as it is then: each draft verified only where it raises the batch's "
-            "expected tokens per second (cluster/step_k.py). false: the policy's K at admission, capped per "
+            "expected tokens per second (cluster/engine/step_k.py). false: the policy's K at admission, capped per "
             "step by the load table and grown by k_grow_step. No effect for methods none and remote_draft "
             "(whose drafter drafts the K it is asked)."
         ),
@@ -197,7 +197,7 @@ class PoolConfig(Strict):
             "An engine replica sends at most about this many chunks per engine step across its running "
             "requests: with b running, a streamed request's tokens go out ceil(b / this) at a time (at "
             "most 16); the first token and the last chunk go at once; a request that is not streamed "
-            "gets its first token, then one final chunk; nothing waits more than 1 s (cluster/coalesce.py). "
+            "gets its first token, then one final chunk; nothing waits more than 1 s (cluster/engine/coalesce.py). "
             "Bounds the serving path's per-chunk work as the batch grows (null: every engine output is "
             "sent as it comes)."
         ),

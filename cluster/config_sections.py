@@ -18,7 +18,7 @@ class Strict(BaseModel):
 
 
 class TeachingConfig(Strict):
-    """What traffic teaches the tuner (`cluster/teaching.py`; docs/security.md)."""
+    """What traffic teaches the tuner (`cluster/policy/teaching.py`; docs/security.md)."""
 
     max_temperature: float = Field(
         1.0, ge=0.0, le=2.0, description="Requests sampled at a higher temperature teach the tuner nothing.")
@@ -237,4 +237,4 @@ class RayConfig(Strict):
         False, description=(
             "A local cluster on vLLM's CPU backend: keep the serving processes (proxies, router, replicas' front "
             "ends, engine-core schedulers, Ray's daemons) on the cores vLLM leaves free of its model workers, so they "
-            "do not preempt a worker on its core (cluster/cpu_pinning.py). No effect on GPU engines or a joined cluster."))
+            "do not preempt a worker on its core (cluster/ops/cpu_pinning.py). No effect on GPU engines or a joined cluster."))

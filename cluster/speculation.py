@@ -35,7 +35,7 @@ EXTRA_ARGS_K_CAP = "specserve_k_cap"
 EXTRA_ARGS_K_GROW = "specserve_k_grow"
 # α of the request's workload class (a float in [0, 1]): the engine's scheduler chooses this
 # request's K at every step, up to its `specserve_k`, from the batch as it is then
-# (`cluster.step_k`; set by the router when the policy, not the caller, chose K).
+# (`cluster.engine.step_k`; set by the router when the policy, not the caller, chose K).
 EXTRA_ARGS_K_STEP = "specserve_k_step"
 
 # Accepted runs longer than this are counted as this long (`accepted_runs`); 4 x the largest K
@@ -155,7 +155,7 @@ def accepted_runs(per_step_accepted, per_step_drafted, cap: int = RUN_CAP) -> li
     return hist[:top + 1] if any(hist) else []
 
 
-# Workload classes the router tells apart (cluster/classifier.py assigns them; a request may name one).
+# Workload classes the router tells apart (cluster/routing/classifier.py assigns them; a request may name one).
 WORKLOAD_CLASSES = (
     "chat",
     "code",

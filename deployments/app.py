@@ -14,7 +14,7 @@ from typing import Any, Optional
 from ray import serve
 
 from cluster.config import ClusterConfig, DrafterDeploymentConfig, PoolConfig, load_config, parse_config
-from cluster.placement import (
+from cluster.ops.placement import (
     cpu_engine_env, drafter_deployment_options, engine_deployment_options, router_deployment_options, used_drafters,
 )
 from deployments.drafter import DrafterServer
@@ -28,8 +28,8 @@ class EngineReplica(EngineServer):
     """EngineServer that prepares its own model files on the node it lands on (cached per node)."""
 
     def __init__(self, pool_name: str, pool: PoolConfig, config: ClusterConfig, drafter: Any = None):
-        from cluster.logsafe import setup_replica_logging
-        from cluster.models import resolve_model
+        from cluster.ops.logsafe import setup_replica_logging
+        from cluster.ops.models import resolve_model
 
         setup_replica_logging()
         model_path = resolve_model(pool.model, config)
@@ -48,8 +48,8 @@ class DrafterReplica(DrafterServer):
     """DrafterServer that prepares its draft model on the node it lands on (cached per node)."""
 
     def __init__(self, name: str, d: DrafterDeploymentConfig, config: ClusterConfig):
-        from cluster.logsafe import setup_replica_logging
-        from cluster.models import resolve_model
+        from cluster.ops.logsafe import setup_replica_logging
+        from cluster.ops.models import resolve_model
 
         setup_replica_logging()
         super().__init__(name, resolve_model(d.model, config), dtype=config.models[d.model].dtype,
@@ -62,12 +62,12 @@ class RouterReplica(Router):
     """Router with its I/O dependencies (tuning store in Redis, classifier) built in the replica."""
 
     def __init__(self, config: ClusterConfig, engines: dict[str, Any]):
-        from cluster.auth import ApiKeyStore
-        from cluster.logsafe import setup_replica_logging
+        from cluster.api.auth import ApiKeyStore
+        from cluster.ops.logsafe import setup_replica_logging
 
         setup_replica_logging()
         auth = ApiKeyStore.from_config(config.auth) if config.auth.enabled else None
-        from cluster.metrics import RouterMetrics
+        from cluster.ops.metrics import RouterMetrics
 
         metrics = RouterMetrics()
         super().__init__(config, engines, tuning=_make_tuning(config, on_malformed=metrics.tuning_key_ignored,
@@ -79,20 +79,20 @@ class RouterReplica(Router):
 
 def _make_autoscale(config: ClusterConfig, **kwargs):
     """Reader of the goodput autoscaler's records, for the pools it decides (None if none does)."""
-    from cluster.autoscale_ray import AutoscaleRecords
+    from cluster.autoscale.ray_policy import AutoscaleRecords
 
     pools = [n for n, p in config.pools.items() if p.autoscaling is not None and p.autoscaling.policy == "goodput"]
     return AutoscaleRecords(config.redis.model_dump(mode="json"), pools, **kwargs) if pools else None
 
 
 def _make_tuning(config: ClusterConfig, **kwargs):
-    from cluster.tuning import TuningStore
+    from cluster.state.tuning import TuningStore
 
     return TuningStore.from_config(config, **kwargs)
 
 
 def _make_classifier():
-    from cluster.classifier import classify
+    from cluster.routing.classifier import classify
 
     return lambda prompt, messages: classify(text=prompt, messages=messages)
 

@@ -1,7 +1,7 @@
-"""The drafter's TCP endpoint (`cluster.draft_wire`): target engines connect, prove the shared
+"""The drafter's TCP endpoint (`cluster.engine.draft_wire`): target engines connect, prove the shared
 secret, and send one request per target step; one thread per connection.
 
-Bounds (`cluster.draft_limits` for what a request may carry):
+Bounds (`cluster.engine.draft_limits` for what a request may carry):
 - connections: at most `max_connections`, of which at most `max_pending` still in their handshake;
   more are closed at once. A handshake must finish within `recv_timeout_s` of the accept.
 - a frame must arrive whole within `recv_timeout_s` of its first byte (per frame, not per recv), be
@@ -22,8 +22,8 @@ import threading
 import time
 from typing import Any, Optional
 
-from cluster.draft_limits import BadFrame, WireLimits, parse_request
-from cluster.draft_wire import (
+from cluster.engine.draft_limits import BadFrame, WireLimits, parse_request
+from cluster.engine.draft_wire import (
     DEFAULT_MAX_FRAME_BYTES, MIN_SECRET_CHARS, BodyError, FrameTooLarge, IdleTimeout, WireError, server_handshake,
 )
 

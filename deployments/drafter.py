@@ -7,10 +7,10 @@ Three layers, each testable alone:
 - `DraftModel`: a packed, batched forward of a Llama-architecture causal LM (Hugging Face module
   weights) over sequences of different lengths, each with its own growable KV cache.
 - `Drafter`: per-sequence state keyed by (client, sequence id), bounded in number and idle time;
-  `propose(client, seqs, evict)` is one target step (see `cluster.draft_wire` for the contract).
+  `propose(client, seqs, evict)` is one target step (see `cluster.engine.draft_wire` for the contract).
 - `DraftServer` (`deployments/draft_server.py`): the authenticated TCP endpoint that target engines
-  call once per step (`cluster.draft_wire`), one thread per connected target, every request checked
-  against the drafter's limits (`cluster.draft_limits`); `DrafterServer` is the Ray Serve deployment
+  call once per step (`cluster.engine.draft_wire`), one thread per connected target, every request checked
+  against the drafter's limits (`cluster.engine.draft_limits`); `DrafterServer` is the Ray Serve deployment
   class (`deployments/app.py` applies `serve.deployment`), whose `endpoint()` tells targets where it is.
 
 Greedy drafting: draft token i+1 is the argmax of the draft model after draft token i.
@@ -25,7 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from cluster.draft_wire import secret_from_env
+from cluster.engine.draft_wire import secret_from_env
 from deployments.draft_server import DraftServer
 
 __all__ = ["DraftModel", "Drafter", "DraftServer", "DrafterServer", "KVCache"]
@@ -200,7 +200,7 @@ class Drafter:
 
     def propose(self, client: str, seqs: list, evict: list) -> tuple[list[list[int]], list[int]]:
         """One target step: `seqs` = [(seq_id, start, tokens, k)] -> (drafts, resync) per sequence.
-        The arguments are trusted: the endpoint checked them (`cluster.draft_limits.parse_request`)."""
+        The arguments are trusted: the endpoint checked them (`cluster.engine.draft_limits.parse_request`)."""
         with self._lock:
             t0 = time.perf_counter()
             out = self._propose(client, seqs, evict)

@@ -1,7 +1,7 @@
 """Engine deployment: one vLLM AsyncLLM per replica of a pool, streaming tokens with speculative stats.
 
 The engine knows nothing about routing: it serves whatever K (0..K_max) each request carries,
-inside one engine, through `cluster.vllm_scheduler.PerRequestKScheduler`. It is a plain class
+inside one engine, through `cluster.engine.vllm_scheduler.PerRequestKScheduler`. It is a plain class
 (`EngineServer`); `deployments/app.py` turns it into a Ray Serve deployment.
 """
 
@@ -14,12 +14,12 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
-from cluster.autoscale import LatencyWindow
-from cluster.coalesce import flush
+from cluster.autoscale.policy import LatencyWindow
+from cluster.engine.coalesce import flush
 from cluster.config import PoolConfig
-from cluster.placement import platform_engine_kwargs
+from cluster.ops.placement import platform_engine_kwargs
 from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP, SpecMode, SpecStats, accepted_runs
-from cluster.vllm_scheduler import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS_PATH, STEP_K_MAX_BATCH_KEY
+from cluster.engine.vllm_scheduler import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS_PATH, STEP_K_MAX_BATCH_KEY
 from deployments.engine_death import EngineDead, engine_died, retire_process
 
 log = logging.getLogger("specserve.engine")
@@ -52,7 +52,7 @@ class EngineRequest:
     ignore_eos: bool = False
     k_cap_by_batch: Optional[list[tuple[int, int]]] = None  # pool's per-step cap table from the tuner
     k_grow: Optional[tuple[int, int]] = None  # (step, top): K grows within the request (vllm_scheduler)
-    k_step_alpha: Optional[float] = None  # class α: the engine picks K (<= k) at every step (cluster.step_k)
+    k_step_alpha: Optional[float] = None  # class α: the engine picks K (<= k) at every step (cluster.engine.step_k)
     streamed: bool = True  # False: the caller wants the whole text; the replica sends first token + final chunk
 
 
@@ -75,7 +75,7 @@ def speculative_config(pool: PoolConfig, drafter_path: Optional[str]) -> Optiona
     if pool.method == SpecMode.NONE:
         return None
     if pool.method == SpecMode.REMOTE_DRAFT:  # vLLM loads our proposer; the drafter is another deployment
-        from cluster.remote_proposer import PROPOSER_CLS_PATH
+        from cluster.engine.remote_proposer import PROPOSER_CLS_PATH
 
         return {"method": "custom_class", "model": PROPOSER_CLS_PATH, "num_speculative_tokens": pool.max_k}
     cfg: dict[str, Any] = {"method": pool.method.value, "num_speculative_tokens": pool.max_k}
@@ -111,7 +111,7 @@ def engine_kwargs(
         enable_log_requests=False,
     )
     if pool.method == SpecMode.REMOTE_DRAFT:
-        from cluster.remote_proposer import REMOTE_CONFIG_KEY, WORKER_EXTENSION_PATH
+        from cluster.engine.remote_proposer import REMOTE_CONFIG_KEY, WORKER_EXTENSION_PATH
 
         kwargs["worker_extension_cls"] = WORKER_EXTENSION_PATH  # the replica hands the proposer its drafter
         kwargs["additional_config"][ADDITIONAL_CONFIG_KEY][REMOTE_CONFIG_KEY] = {
@@ -245,7 +245,7 @@ class EngineServer:
         params = self._sampling_params(req)
         completion_tokens = 0
         t_start, t_first = time.monotonic(), None
-        pending: list[EngineChunk] = []  # outputs gathered into the next chunk (cluster.coalesce)
+        pending: list[EngineChunk] = []  # outputs gathered into the next chunk (cluster.engine.coalesce)
         pending_tokens, sent_any, t_sent = 0, False, t_start
         async with aclosing(self._engine_outputs(prompt, params, req.request_id)) as outs:
             async for out in outs:
@@ -330,7 +330,7 @@ class EngineServer:
             **({"engine_dead": True} if self._dead is not None else {}),
         }
         if self.pool.method == SpecMode.REMOTE_DRAFT and self._dead is None:
-            from cluster.remote_proposer import public_drafter_status
+            from cluster.engine.remote_proposer import public_drafter_status
 
             try:
                 out["remote_drafter"] = public_drafter_status(await self.drafter_status())
@@ -378,7 +378,7 @@ class EngineServer:
             raise TimeoutError(f"pool {self.pool_name}: engine call {method} took more than {RPC_TIMEOUT_S:g} s") from None
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Ray Serve's custom autoscaling metrics of this replica (`cluster.autoscale.ReplicaMetrics`):
+        """Ray Serve's custom autoscaling metrics of this replica (`cluster.autoscale.policy.ReplicaMetrics`):
         requests in the engine, and over the window: finished requests, tokens and accepted tokens per
         second, p99 TPOT and TTFT (-1 when none finished), mean K. Ray averages them per replica."""
         return {"unfinished": float(self.engine.get_num_unfinished_requests()),

@@ -1,4 +1,4 @@
-"""One request's call to an engine pool, from the router: every wait bounded (`cluster.deadline`),
+"""One request's call to an engine pool, from the router: every wait bounded (`cluster.routing.deadline`),
 one retry when a replica (or its vLLM engine core) dies before any output, an unfinished call
 cancelled (which aborts it in vLLM), and Ray's and vLLM's failures mapped to typed API errors.
 
@@ -13,9 +13,9 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
-from cluster.api import ApiError, ErrorCode
-from cluster.deadline import RETRY_AFTER_S, Bounds, engine_wait, expired
-from cluster.decision import Decision
+from cluster.api.types import ApiError, ErrorCode
+from cluster.routing.deadline import RETRY_AFTER_S, Bounds, engine_wait, expired
+from cluster.routing.decision import Decision
 from deployments.engine import EngineChunk, EngineRequest
 from deployments.engine_death import RETIRE_GRACE_S, EngineDead
 
@@ -28,7 +28,7 @@ DEAD_ENGINE_RETRY_PAUSE_S = 2 * RETIRE_GRACE_S
 
 async def engine_chunks(handle: Any, bounds: Bounds, deadline_s: float, d: Decision, ereq: EngineRequest,
                         ) -> AsyncIterator[EngineChunk]:
-    """The engine's chunks for one request, with every wait bounded (`cluster.deadline`): the first
+    """The engine's chunks for one request, with every wait bounded (`cluster.routing.deadline`): the first
     chunk within router.first_token_timeout_s, each later one within router.stream_idle_timeout_s
     (else UNAVAILABLE), and all of it before `deadline_s` (monotonic; else DEADLINE_EXCEEDED). A
     replica (or its engine core) that dies before the first chunk is retried once on the pool

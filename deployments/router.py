@@ -1,9 +1,10 @@
 """Router deployment: the ingress. Validates a request, decides pool / mode / K, streams from the engine.
 
-It serves both front doors from one class: HTTP (OpenAI-compatible, through `__call__`) and gRPC
-(`specserve.v1.SpecServe` and `grpc.health.v1.Health` methods, called by Ray Serve's gRPC proxy by
-method name, from the `deployments.router_grpc.GrpcDoor` mixin). Dependencies (engine handles,
-tuning store, classifier) are injected through `__init__`, so tests can build a Router without Ray. The decision itself is `cluster.routing.route`;
+It serves both front doors from one class: HTTP (OpenAI-compatible, `__call__` from the
+`deployments.router_http.HttpDoor` mixin) and gRPC (`specserve.v1.SpecServe` and
+`grpc.health.v1.Health` methods, called by Ray Serve's gRPC proxy by method name, from the
+`deployments.router_grpc.GrpcDoor` mixin); this module is what both doors call. Dependencies (engine handles,
+tuning store, classifier) are injected through `__init__`, so tests can build a Router without Ray. The decision itself is `cluster.routing.route.route`;
 the call to the engine pool, with its bounded waits, is `deployments.engine_call`.
 """
 
@@ -11,26 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import time
 from contextlib import aclosing
 from dataclasses import replace
 from typing import Any, AsyncIterator, Callable, Optional
 
-from cluster.api import (ApiError, ErrorCode, GenerateRequest, body_too_large, check_json_content_type, check_prompt_size,
-                         from_openai)
-from cluster.auth import AUTH_ERROR_MESSAGE, ApiKeyStore, bearer_from_http
+from cluster.api.auth import AUTH_ERROR_MESSAGE, ApiKeyStore
+from cluster.api.types import ApiError, ErrorCode, GenerateRequest, check_prompt_size
+from cluster.api.wire import Completion
 from cluster.config import ClusterConfig
-from cluster.deadline import Bounds, body_expired
 from cluster.policy import class_model, load_bucket
-from cluster.teaching import Lesson, Teacher, client_id
-from cluster.routing import (Decision, LoadMeter, PoolView, cap_at_admission, decision_summary, growth_rule, load_domain, per_step_k, pool_load,
-                             pool_views, resolve_model, route, with_load)
-from cluster.wire import Completion, openai_chunk, openai_error_event, openai_response
+from cluster.policy.teaching import Lesson, Teacher
+from cluster.routing.deadline import Bounds
+from cluster.routing.route import (Decision, LoadMeter, PoolView, cap_at_admission, decision_summary, growth_rule,
+                                   load_domain, per_step_k, pool_load, pool_views, resolve_model, route, with_load)
 from deployments.engine import EngineChunk, EngineRequest
-from deployments.router_grpc import GrpcDoor
 from deployments.engine_call import RETRY_AFTER_S, engine_chunks, map_error
+from deployments.router_grpc import GrpcDoor
+from deployments.router_http import HttpDoor
 
 log = logging.getLogger("specserve.router")
 
@@ -44,16 +44,16 @@ def _default_classifier(prompt: Optional[str], messages: Optional[list[dict]]) -
     return "chat"
 
 
-class Router(GrpcDoor):
+class Router(HttpDoor, GrpcDoor):
     def __init__(
         self,
         config: ClusterConfig,
         engines: dict[str, Any],  # pool name -> DeploymentHandle of engine-<pool> (or a test double)
-        tuning: Any = None,  # cluster.tuning store (optional)
+        tuning: Any = None,  # cluster.state.tuning store (optional)
         classifier: Optional[Callable[..., str]] = None,
         auth: Optional[ApiKeyStore] = None,  # None: no API key required
-        metrics: Any = None,  # cluster.metrics.RouterMetrics (optional)
-        autoscale: Any = None,  # cluster.autoscale_ray.AutoscaleRecords: the autoscaler's decisions (optional)
+        metrics: Any = None,  # cluster.ops.metrics.RouterMetrics (optional)
+        autoscale: Any = None,  # cluster.autoscale.ray_policy.AutoscaleRecords: the autoscaler's decisions (optional)
     ):
         self.config = config
         self.engines = engines
@@ -79,7 +79,7 @@ class Router(GrpcDoor):
 
     @property
     def bounds(self) -> Bounds:
-        """A request's deadline and engine waits, from the router config (`cluster.deadline`)."""
+        """A request's deadline and engine waits, from the router config (`cluster.routing.deadline`)."""
         return Bounds.from_config(self.config.router)
 
     def _authenticate(self, header_value: Optional[str]) -> Optional[str]:
@@ -95,7 +95,7 @@ class Router(GrpcDoor):
         load = pool_load(self.inflight, self.engine_load, time.monotonic(), LOAD_REPORT_MAX_AGE_S, self.finished)
         views = list(self.views.values())
         if self.autoscale is not None:  # the replicas the autoscaler decided, a starting scale-up included
-            from cluster.autoscale import with_capacity
+            from cluster.autoscale.policy import with_capacity
 
             views = with_capacity(views, self.autoscale.records(), time.time())
         return [v for v in with_load(views, load) if v.model == model]
@@ -144,7 +144,7 @@ class Router(GrpcDoor):
         decision = route(self._live_pools(model), self.config.router, wclass,
                          mode_override=spec.mode if spec else None, k_override=spec.k if spec else None,
                          tuning=tuning)
-        decision.detail["classified"] = classified  # what teaches the tuner (`cluster.teaching`)
+        decision.detail["classified"] = classified  # what teaches the tuner (`cluster.policy.teaching`)
         if "load_bucket" not in decision.detail:  # the bucket its stats belong to: the load it met
             live = {v.name: v for v in self._live_pools(model)}
             decision.detail["load_bucket"] = load_bucket(live[decision.pool].load_batch + 1.0)
@@ -215,8 +215,8 @@ class Router(GrpcDoor):
     async def _stream(self, req: GenerateRequest, streamed: bool = True, client: str = "unknown",
                       deadline_s: Optional[float] = None) -> AsyncIterator[tuple[EngineChunk, Completion]]:
         """Yield (chunk, running completion) pairs; the last pair has the final stats. `client`:
-        who sent it (`cluster.teaching.client_id`); `deadline_s`: when it must be done (monotonic;
-        default router.request_timeout_s from now, `cluster.deadline`)."""
+        who sent it (`cluster.policy.teaching.client_id`); `deadline_s`: when it must be done (monotonic;
+        default router.request_timeout_s from now, `cluster.routing.deadline`)."""
         t0 = time.perf_counter()
         deadline_s = deadline_s if deadline_s is not None else self.bounds.deadline(time.monotonic())
         self._ensure_load_poll()
@@ -286,7 +286,7 @@ class Router(GrpcDoor):
 
     def _record(self, model: str, d: Decision, comp: Completion, lesson: Lesson, client: str) -> None:
         """Metrics and tuning state from a finished request; neither may ever fail the request. The
-        tuning state learns only from what `self.teacher` admits (`cluster.teaching`)."""
+        tuning state learns only from what `self.teacher` admits (`cluster.policy.teaching`)."""
         try:
             if self.metrics is not None:
                 self.metrics.observe(d, comp.stats)
@@ -309,76 +309,6 @@ class Router(GrpcDoor):
                 pass
         assert comp is not None
         return comp
-
-    # -- HTTP (OpenAI-compatible) ----------------------------------------------------------------
-
-    async def __call__(self, request):  # starlette.requests.Request
-        from starlette.responses import JSONResponse, StreamingResponse
-
-        path = request.url.path.rstrip("/")
-        deadline_s = self.bounds.deadline(time.monotonic())  # the body's read counts against it
-        try:
-            client = client_id(self._authenticate(bearer_from_http(request.headers)), request.client)
-            if path == "/v1/models" and request.method == "GET":
-                return JSONResponse(self.models_json())
-            if path in ("/v1/completions", "/v1/chat/completions") and request.method == "POST":
-                chat = path.endswith("chat/completions")
-                check_json_content_type(request.headers.get("content-type"))
-                try:
-                    body = json.loads(await self._read_body(request, deadline_s))
-                except (ValueError, UnicodeDecodeError, RecursionError) as e:
-                    raise ApiError(ErrorCode.INVALID_ARGUMENT, f"body: not valid JSON ({e})", field="body") from None
-                req = from_openai(body, chat=chat)
-                if req.stream:
-                    stream = self._sse(req, chat, client, deadline_s)
-                    first = await stream.__anext__()  # validation, routing and overload errors -> HTTP codes
-                    return StreamingResponse(_prepend(first, stream), media_type="text/event-stream")
-                return JSONResponse(openai_response(await self.complete(req, client, deadline_s), chat))
-            if path == "/v1/specserve/status" and request.method == "GET":
-                return JSONResponse(await self.status())
-            raise ApiError(ErrorCode.NOT_FOUND, f"no route {request.method} {path}", field="path")
-        except ApiError as e:
-            headers = {"Retry-After": str(max(1, round(e.retry_after_s)))} if e.retry_after_s else None
-            if e.code is ErrorCode.UNAUTHENTICATED:
-                headers = {"WWW-Authenticate": 'Bearer realm="specserve"'}
-            return JSONResponse(e.to_openai(), status_code=e.code.http_status, headers=headers)
-
-    async def _read_body(self, request, deadline_s: float) -> bytes:
-        """The request's body, read up to api.limits.max_body_bytes: 413 from its Content-Length
-        before reading, or as soon as more than that arrived; 408 unless it is all there by `deadline_s`."""
-        try:
-            return await asyncio.wait_for(self._read_body_bounded(request), timeout=max(deadline_s - time.monotonic(), 0.0))
-        except asyncio.TimeoutError:
-            raise body_expired(self.bounds) from None
-
-    async def _read_body_bounded(self, request) -> bytes:
-        limit = self.config.api.limits.max_body_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise body_too_large(int(declared), limit)
-        chunks, n = [], 0
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > limit:
-                raise body_too_large(n, limit)
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    async def _sse(self, req: GenerateRequest, chat: bool, client: str, deadline_s: float) -> AsyncIterator[str]:
-        """SSE events. Errors before the first event propagate (so they become HTTP codes);
-        later ones are sent as an error event, then [DONE]."""
-        started = False
-        try:
-            async with aclosing(self._stream(req, client=client, deadline_s=deadline_s)) as stream:
-                async for chunk, comp in stream:
-                    final = comp if chunk.finish_reason is not None else None
-                    yield openai_chunk(comp.request_id, comp.model, chat, chunk.text, chunk.token_ids, final)
-                    started = True
-        except ApiError as e:
-            if not started:
-                raise
-            yield openai_error_event(e)
-        yield "data: [DONE]\n\n"
 
     def models_json(self) -> dict[str, Any]:
         data = []
@@ -406,10 +336,3 @@ class Router(GrpcDoor):
             "redis_ok": bool(self.tuning is not None and getattr(self.tuning, "healthy", False)),
             **({"autoscale": self.autoscale.records()} if self.autoscale is not None else {}),
         }
-
-
-async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
-    yield first
-    async with aclosing(rest):
-        async for item in rest:
-            yield item

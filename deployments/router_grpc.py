@@ -10,9 +10,9 @@ from __future__ import annotations
 from contextlib import aclosing
 from typing import Any
 
-from cluster.api import ApiError, ErrorCode
-from cluster.auth import bearer_from_grpc
-from cluster.teaching import client_id
+from cluster.api.types import ApiError, ErrorCode
+from cluster.api.auth import bearer_from_grpc
+from cluster.policy.teaching import client_id
 
 
 class GrpcDoor:
@@ -38,7 +38,7 @@ class GrpcDoor:
         return e
 
     def _decoded(self, request: Any, ctx: Any) -> Any:
-        from cluster.grpc_ingress import Undecodable
+        from cluster.api.grpc_ingress import Undecodable
 
         if isinstance(request, Undecodable):
             raise self._grpc_fail(ctx, ApiError(ErrorCode.INVALID_ARGUMENT,
@@ -50,7 +50,7 @@ class GrpcDoor:
         client = self._authenticate_grpc(grpc_context)
         request = self._decoded(request, grpc_context)
         from specserve.v1 import specserve_pb2 as pb
-        from cluster.wire import from_proto, generate_response_proto
+        from cluster.api.wire import from_proto, generate_response_proto
 
         try:
             return generate_response_proto(pb, await self.complete(from_proto(request), client))
@@ -61,7 +61,7 @@ class GrpcDoor:
         client = self._authenticate_grpc(grpc_context)
         request = self._decoded(request, grpc_context)
         from specserve.v1 import specserve_pb2 as pb
-        from cluster.wire import from_proto, spec_stats_proto, timing_proto
+        from cluster.api.wire import from_proto, spec_stats_proto, timing_proto
 
         try:
             async with aclosing(self._stream(from_proto(request), client=client)) as stream:

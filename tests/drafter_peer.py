@@ -6,8 +6,8 @@ from __future__ import annotations
 import socket
 import time
 
-from cluster.draft_limits import WireLimits
-from cluster.draft_wire import Channel, client_handshake
+from cluster.engine.draft_limits import WireLimits
+from cluster.engine.draft_wire import Channel, client_handshake
 
 SECRET = b"test-drafter-secret-0123456789"
 
@@ -51,7 +51,7 @@ def call(ch: Channel, msg, timeout_s: float = 10.0):
 
 def send_body(ch: Channel, body: bytes, timeout_s: float = 10.0) -> None:
     """Send `body` as the next authentic frame, whatever it holds (msgpack or not)."""
-    from cluster.draft_wire import send_payload
+    from cluster.engine.draft_wire import send_payload
 
     tag = ch._tag(ch._out, ch._sent, body)
     ch._sent += 1

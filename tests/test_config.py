@@ -1,15 +1,17 @@
+from tests.paths import LOCAL_CPU
 from pathlib import Path
 
 import pytest
 import yaml
 
 from cluster.config import ConfigError, load_config, parse_config
+from tests.paths import LOCAL_CPU
 
 CONFIGS = Path(__file__).resolve().parents[1] / "cluster" / "configs"
 
 
 def base() -> dict:
-    return yaml.safe_load((CONFIGS / "local-cpu.yaml").read_text())
+    return yaml.safe_load(LOCAL_CPU.read_text())
 
 
 def test_shipped_configs_load():
@@ -19,7 +21,7 @@ def test_shipped_configs_load():
 
 
 def test_local_config_pools_and_modes():
-    cfg = load_config(CONFIGS / "local-cpu.yaml")
+    cfg = load_config(LOCAL_CPU)
     assert [m.value for m in cfg.pools["ngram"].modes] == ["ngram", "none"]
     assert cfg.pools["draft"].drafter == "smollm2-135m-eagle"
     assert cfg.pools["draft"].method.value == "eagle"

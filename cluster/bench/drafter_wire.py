@@ -1,5 +1,5 @@
 """Round trip of one small drafter call on loopback, by transport: the choice behind the drafter
-wire (`cluster.draft_wire`; docs/security.md, "The drafter wire").
+wire (`cluster.engine.draft_wire`; docs/security.md, "The drafter wire").
 
 Every transport carries the same call (8 sequences with 2 new tokens each, K = 4) and the same
 reply (8 x 4 draft ids) between two threads of this process; the drafter side answers at once
@@ -131,7 +131,7 @@ class _Counters:
 
 
 def authenticated():
-    from cluster.remote_proposer import TcpDraftClient
+    from cluster.engine.remote_proposer import TcpDraftClient
     from deployments.draft_server import DraftServer
 
     server = DraftServer(StubDrafter(), "127.0.0.1", 0, secret=SECRET)

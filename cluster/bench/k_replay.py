@@ -301,7 +301,7 @@ def _tokenizer(config_path: str, model: str, override: Optional[str]):
     if override:
         return AutoTokenizer.from_pretrained(override)
     from cluster.config import load_config
-    from cluster.models import resolve_model
+    from cluster.ops.models import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model(model, load_config(config_path)))
 

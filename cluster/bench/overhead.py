@@ -4,7 +4,7 @@ routing decision with the tuning snapshot, and the per-pool K cap table.
 Runs the router's own code in-process (`Router.plan`, the whole pre-engine path of a request)
 over the dev set's prompts, with a real TuningStore against a real Redis (when one answers at the
 config's URL) and with Redis unreachable (fail-open), and prints p50 / p99 / max in microseconds.
-The hop from the router to an engine replica is Ray Serve's (FACTS: about 7-8 ms p50 here) and is
+The hop from the router to an engine replica is Ray Serve's (about 7-8 ms p50 here, BENCHMARKS.md 3) and is
 the same whether the router or a static client picks the pool.
 
     python -m cluster.bench.overhead [--config cluster/configs/local-cpu.yaml] [--repeats 20]
@@ -18,11 +18,11 @@ import statistics
 import time
 from pathlib import Path
 
-from cluster.api import from_openai
-from cluster.classifier import classify
+from cluster.api.types import from_openai
+from cluster.routing.classifier import classify
 from cluster.config import load_config
 from cluster.percentile import percentile
-from cluster.tuning import TuningStore
+from cluster.state.tuning import TuningStore
 from deployments.router import Router
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "specbench-dev.jsonl"

@@ -31,7 +31,7 @@ from cluster.bench.workload import Prompt
 from cluster.client import AsyncSpecServeClient
 
 WARM_STREAMS = 4  # warm-up requests in flight at once (1 token each: mostly prefill)
-STOCK_START_S = 60.0  # assumed start-up of one stock server (about 50 s here, FACTS)
+STOCK_START_S = 60.0  # assumed start-up of one stock server (about 50 s here)
 WARM_REQUEST_S = 0.5  # assumed time of one warm-up request (for the estimate)
 
 

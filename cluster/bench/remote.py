@@ -1,5 +1,5 @@
 """Disaggregated drafter benchmark: the same drafter in-engine (pool `draft`, vLLM's draft_model
-proposer) and in its own deployment (pool `remote`, `cluster.remote_proposer`), side by side in one
+proposer) and in its own deployment (pool `remote`, `cluster.engine.remote_proposer`), side by side in one
 run on one cluster, at concurrency 1 and 8, with plain decoding (K = 0) as the floor.
 
 It starts its own cluster in-process from the base config (only the `draft` pool kept, a drafter
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ray import serve
 
-    from cluster.up import start_cluster, stop_cluster
+    from cluster.ops.up import start_cluster, stop_cluster
 
     http, grpc, redis, metrics = (int(p) for p in args.ports.split(","))
     raw = bench_config(yaml.safe_load(Path(args.base).read_text()), http, grpc, redis, metrics, args.timeout_s)

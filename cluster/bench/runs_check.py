@@ -23,7 +23,7 @@ from typing import Mapping, Optional
 from cluster.bench.workload import load_prompts, select
 from cluster.policy import CellStats, expected_tokens_per_step, run_tokens_per_step
 from cluster.speculation import SpecStats
-from cluster.tuning_cells import cell_from_requests
+from cluster.state.tuning_cells import cell_from_requests
 
 
 def cell_of(stats: list[SpecStats]) -> CellStats:

@@ -79,7 +79,7 @@ def _load_target(path: str | None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if path is None:
-        from cluster.models import prepare_gguf
+        from cluster.ops.models import prepare_gguf
 
         path = str(prepare_gguf(DEFAULT_GGUF))
     target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     from cluster.distill.evaluate import evaluate, format_report
     from cluster.distill.ship import ship, write_artefact
     from cluster.distill.train import TrainConfig, train
-    from cluster.models import cache_root
+    from cluster.ops.models import cache_root
 
     t_start = time.monotonic()
     torch.set_num_threads(args.threads)

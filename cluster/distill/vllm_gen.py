@@ -3,7 +3,7 @@
 transformers' `generate` cost ~5.6 s per 128-token sequence here (BENCHMARKS.md section 9); the
 engine that serves the target batches every prompt at once. It runs in a child process (vLLM spawns
 its engine core; the child's exit frees its threads and memory before training starts), with the
-same CPU environment the engine pools get (`cluster.placement.cpu_engine_env`).
+same CPU environment the engine pools get (`cluster.ops.placement.cpu_engine_env`).
 
 Contract: `generate_vllm(model_path, jobs, max_model_len)` -> one list of new token ids per job;
 a job is ``{"prompt_ids": [...], "max_new_tokens": n, "temperature": t, "seed": s}``. Temperature 0
@@ -46,7 +46,7 @@ def failure_tail(stdout: str | None, stderr: str | None, n: int = 30) -> str:
 def generate_vllm(model_path: str, jobs: list[dict], max_model_len: int, *, threads: int | None = None,
                   timeout_s: float = 3600.0, log_fn=print, dtype: str = "float32") -> list[list[int]]:
     """Run the jobs in a child vLLM process; return their continuations in job order."""
-    from cluster.placement import cpu_engine_env
+    from cluster.ops.placement import cpu_engine_env
 
     if not jobs:
         return []
@@ -75,7 +75,7 @@ def _child(src: str, dst: str) -> None:
 
     spec = json.loads(Path(src).read_text())
     jobs = spec["jobs"]
-    from cluster.placement import platform_engine_kwargs
+    from cluster.ops.placement import platform_engine_kwargs
 
     # Platform arguments as the serving engines get them: on the CPU build, no chunked prefill, or a
     # batch of seeded (sampled) jobs kills the engine core (`platform_engine_kwargs`).

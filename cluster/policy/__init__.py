@@ -32,7 +32,7 @@ Words are those of `cluster.speculation`; in addition:
   counts both). The draftless ones (steps minus the exposure of draft position 0) are taken out
   for α: its estimate is accepted / (accepted + rejected drafting steps), the maximum-likelihood
   estimate under the geometric model truncated at the drafted length
-  (`cluster.tuning_cells.increments_from_stats` counts the trials); p's is drafting steps / steps.
+  (`cluster.state.tuning_cells.increments_from_stats` counts the trials); p's is drafting steps / steps.
 - **step cost** (f, c): extra time of one step, relative to a plain step at the same load:
   step time(K) / step time(0) = 1 + f + c·K for K > 0, where c (cost per K) = verify cost (grows
   with batch size: verifying K more tokens per request is nearly free at batch 1 and not at batch
@@ -58,7 +58,7 @@ Words are those of `cluster.speculation`; in addition:
 - **load bucket**: the batch the request joins (`PoolView.load_batch + 1`: the pool's batch per
   replica, or the whole hardware group's load when pools share hardware) bucketed as
   1, 2-3, 4-7, 8-15, 16+. A request is decided in the bucket of its admission; its statistics are
-  recorded in the bucket of the mean load it met over its life (`cluster.routing.LoadMeter`).
+  recorded in the bucket of the mean load it met over its life (`cluster.routing.route.LoadMeter`).
 - **joining step time**: pools of one hardware group are engines time-sharing the same cores; a
   request joining an idle one while another is busy meets both engines' steps
   (`joining_step_rel`), so traffic stays on the busy engine unless the other is far better.

@@ -1,6 +1,5 @@
 """Stock-vLLM anchors without vLLM: baseline parsing, the default set, the server's command line and
 environment built from a pool, the memory estimate, and a stand-in server's start / stop."""
-
 import json
 import os
 import sys
@@ -13,9 +12,9 @@ import pytest
 from cluster.bench import anchors as A
 from cluster.bench import plan as P
 from cluster.config import load_config
-from cluster.placement import cpu_engine_env
+from cluster.ops.placement import cpu_engine_env
+from tests.paths import LOCAL_CPU
 
-LOCAL_CPU = Path(__file__).resolve().parents[2] / "cluster" / "configs" / "local-cpu.yaml"
 
 
 @pytest.fixture(scope="module")

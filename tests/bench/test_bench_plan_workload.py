@@ -179,7 +179,7 @@ def test_parse_lines_first_turn_and_errors():
 def test_every_config_name_makes_a_request_id_the_api_accepts():
     """A config name such as `ngram:3+2` goes into the request id, `+` and all: every one must be an id
     the API accepts, or that config's rows are lost."""
-    from cluster.api import GenerateRequest
+    from cluster.api.types import GenerateRequest
     from cluster.bench.runner import Job, Runner
     from cluster.bench.workload import Prompt
 

@@ -5,7 +5,6 @@ builds it: two greedy requests through the bench's runner come back with their t
 server saw the prompt tokens specserve's engine would (the chat template, tokenized as a text
 prompt); and after the fleet's exit no process of the server's tree is left.
 """
-
 import asyncio
 from pathlib import Path
 
@@ -17,9 +16,9 @@ from cluster.bench.runner import Job, Runner
 from cluster.bench.workload import Prompt
 from cluster.client import AsyncSpecServeClient, iter_sse_data
 from cluster.config import load_config
+from tests.paths import LOCAL_CPU
 
 pytestmark = pytest.mark.engine
-LOCAL_CPU = Path(__file__).resolve().parents[2] / "cluster" / "configs" / "local-cpu.yaml"
 PROMPTS = [Prompt("p1", "qa", "qa", "List three colours, then list them again in the same order."),
            Prompt("p2", "qa", "qa", "What is the capital of France?")]
 
@@ -33,7 +32,7 @@ def _tree(pid: int) -> list:
 
 def test_a_real_stock_server_serves_greedy_token_ids_and_stops(tmp_path):
     pytest.importorskip("vllm")
-    from cluster.models import resolve_model
+    from cluster.ops.models import resolve_model
 
     config = load_config(LOCAL_CPU)
     pool_name, pool = A.choose_pool(config, None)

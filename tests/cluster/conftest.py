@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.redis_server import free_port, start_local_redis
+from cluster.state.redis_server import free_port, start_local_redis
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 import pytest
 
-from cluster.api import ApiError, ErrorCode, from_openai, parse_request
+from cluster.api.types import ApiError, ErrorCode, from_openai, parse_request
 
 
 def bad(body, chat=True):
@@ -71,7 +71,7 @@ def test_request_ids_are_generated_and_unguessable():
 
 
 def test_grpc_speculative_k_grow_maps_and_is_validated():
-    from cluster.wire import from_proto
+    from cluster.api.wire import from_proto
     from specserve.v1 import specserve_pb2 as pb
 
     msg = pb.GenerateRequest(prompt="x", speculative=pb.SpeculativeOverride(mode="ngram", k=2, k_grow=2))
@@ -86,7 +86,7 @@ def test_grpc_speculative_k_grow_maps_and_is_validated():
 # -- size limits and content types (api.limits) --------------------------------------------------------
 
 def test_total_prompt_size_counts_every_message():
-    from cluster.api import check_prompt_size
+    from cluster.api.types import check_prompt_size
 
     req = from_openai({"messages": [{"role": "user", "content": "x" * 1000}] * 10}, chat=True)
     check_prompt_size(req, 10_000)
@@ -104,7 +104,7 @@ def test_total_prompt_size_counts_every_message():
 @pytest.mark.parametrize("header", ["application/json", "Application/JSON", "application/json; charset=utf-8",
                                     'application/json;charset="UTF-8"', "application/json ; charset=utf8"])
 def test_json_content_types_pass(header):
-    from cluster.api import check_json_content_type
+    from cluster.api.types import check_json_content_type
 
     check_json_content_type(header)
 
@@ -113,7 +113,7 @@ def test_json_content_types_pass(header):
                                     "multipart/form-data; boundary=x", "application/json; charset=latin-1",
                                     "application/xml", "application/jsonx", "text/json"])
 def test_other_content_types_are_415(header):
-    from cluster.api import check_json_content_type
+    from cluster.api.types import check_json_content_type
 
     with pytest.raises(ApiError) as e:
         check_json_content_type(header)

@@ -1,4 +1,4 @@
-"""API keys (cluster.auth) and log redaction (cluster.logsafe): parsing, rotation, revocation,
+"""API keys (cluster.api.auth) and log redaction (cluster.ops.logsafe): parsing, rotation, revocation,
 constant-time comparison, header edge cases. No Ray, no network."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import os
 import pytest
 from starlette.datastructures import Headers
 
-from cluster import auth
-from cluster.auth import (AUTH_ERROR_MESSAGE, ApiKeyStore, AuthConfigError, bearer_from_grpc, bearer_from_http,
-                          bearer_token, parse_key_file)
-from cluster.logsafe import RedactTextFilter, install_redaction, redact, redact_message
+from cluster.api import auth
+from cluster.api.auth import (AUTH_ERROR_MESSAGE, ApiKeyStore, AuthConfigError, bearer_from_grpc, bearer_from_http,
+                              bearer_token, parse_key_file)
+from cluster.ops.logsafe import RedactTextFilter, install_redaction, redact, redact_message
 
 K1 = "sk-alpha-0123456789abcdef"
 K2 = "sk-bravo-0123456789abcdef"
@@ -293,7 +293,7 @@ def test_install_redaction_is_idempotent():
 def test_specserve_records_reach_the_serve_component_log_once_and_redacted():
     """route_to_serve_log: a specserve.* record goes to the handlers of the (non-propagating) Serve
     component logger, once however often replicas call it, through the redaction filter."""
-    from cluster.logsafe import route_to_serve_log
+    from cluster.ops.logsafe import route_to_serve_log
 
     serve = logging.getLogger("specserve-test.serve")
     serve.propagate = False

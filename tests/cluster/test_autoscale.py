@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from cluster.autoscale import (
+from cluster.autoscale.policy import (
     LatencyWindow, PolicyState, PoolSnapshot, ReplicaMetrics, decide, effective_replicas, plain_step_points,
     replica_carry, with_capacity,
 )
 from cluster.config import AutoscalingConfig
-from cluster.routing import PoolView
+from cluster.routing.route import PoolView
 from cluster.speculation import SpecMode
 
 FIXTURE = Path(__file__).parent / "data" / "autoscale_snapshots.jsonl"

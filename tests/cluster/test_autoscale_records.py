@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from cluster.autoscale import MAX_REPLICAS, effective_replicas, with_capacity
-from cluster.autoscale_ray import MAX_RECORD_BYTES, AutoscaleRecords, MalformedRecord, parse_record, record_key
-from cluster.routing import PoolView
+from cluster.autoscale.policy import MAX_REPLICAS, effective_replicas, with_capacity
+from cluster.autoscale.ray_policy import MAX_RECORD_BYTES, AutoscaleRecords, MalformedRecord, parse_record, record_key
+from cluster.routing.route import PoolView
 from cluster.speculation import SpecMode
 
 NOW = 1_000_000.0
@@ -104,8 +104,8 @@ def test_the_policy_publishes_no_non_finite_number():
     values, so what the controller publishes is a record the readers accept."""
     from types import SimpleNamespace
 
-    from cluster.autoscale import AutoscalingConfig, decide
-    from cluster.autoscale_ray import snapshot_from_context
+    from cluster.autoscale.policy import AutoscalingConfig, decide
+    from cluster.autoscale.ray_policy import snapshot_from_context
 
     ctx = SimpleNamespace(aggregated_metrics={"tpot_p99_s": {"r1": float("nan")}, "unfinished": {"r1": float("inf")},
                                               "tokens_per_s": {"r1": 12.5}},

@@ -1,4 +1,4 @@
-"""Tests for cluster.classifier and cluster.classifier_eval: hand-written prompts per class (none from
+"""Tests for cluster.routing.classifier and cluster.routing.classifier_eval: hand-written prompts per class (none from
 the dev set), the explicit override, chat messages, degenerate inputs, bounded work on huge prompts,
 and an accuracy floor on the Spec-Bench dev set."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.classifier import RULES, classify, classify_text
-from cluster.classifier_eval import COPY_GROUPS, SPEC_BENCH_TO_CLASS, evaluate, half_of, main
+from cluster.routing.classifier import RULES, classify, classify_text
+from cluster.routing.classifier_eval import COPY_GROUPS, SPEC_BENCH_TO_CLASS, evaluate, half_of, main
 from cluster.speculation import WORKLOAD_CLASSES
 
 DEV_SET = Path("/work/shared/data/specbench-dev.jsonl")

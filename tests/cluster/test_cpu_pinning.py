@@ -1,4 +1,4 @@
-"""`cluster.cpu_pinning` against real processes: a tree like a local cluster's (a model worker bound
+"""`cluster.ops.cpu_pinning` against real processes: a tree like a local cluster's (a model worker bound
 to one core, Ray's daemons and replicas floating) is moved off the worker's core, and what must not
 move (the worker, the raylet, a replica whose worker has not started) stays where it was."""
 
@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from cluster.cpu_pinning import pin_serving_processes
+from cluster.ops.cpu_pinning import pin_serving_processes
 
 ALL = frozenset(os.sched_getaffinity(0))
 pytestmark = pytest.mark.skipif(len(ALL) < 2, reason="needs two cores to keep one free")

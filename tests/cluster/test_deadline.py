@@ -1,4 +1,4 @@
-"""A request's time bounds (`cluster.deadline`) and their config: one end-to-end deadline, the
+"""A request's time bounds (`cluster.routing.deadline`) and their config: one end-to-end deadline, the
 engine's waits inside it, clear errors naming the field."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from cluster.api import ErrorCode
+from cluster.api.types import ErrorCode
 from cluster.config import RouterConfig
-from cluster.deadline import PROXY_MARGIN_S, Bounds, body_expired, engine_wait, expired, proxy_timeout_s
+from cluster.routing.deadline import PROXY_MARGIN_S, Bounds, body_expired, engine_wait, expired, proxy_timeout_s
 
 B = Bounds(request_s=120.0, first_token_s=60.0, idle_s=30.0)
 

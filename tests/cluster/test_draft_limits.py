@@ -7,8 +7,8 @@ import copy
 
 import pytest
 
-from cluster.draft_limits import BadFrame, WireLimits, parse_reply, parse_request, token_ids
-from cluster.remote_proposer import SeqWork, plan_call
+from cluster.engine.draft_limits import BadFrame, WireLimits, parse_reply, parse_request, token_ids
+from cluster.engine.remote_proposer import SeqWork, plan_call
 
 LIM = WireLimits(max_k=4, vocab_size=100, max_seq_tokens=32, max_call_tokens=40, max_seqs=3, max_evict=4,
                  max_frame_bytes=1 << 16, idle_timeout_s=60.0)
@@ -144,7 +144,7 @@ def test_plan_call_keeps_the_frame_under_the_drafters_bound():
     todo = list(enumerate(SeqWork(f"s{i}", [99] * 200, 1) for i in range(10)))  # ~1 KB each
     _, seqs, _ = plan_call(todo, {}, set(), lim)
     assert 0 < len(seqs) < 10
-    from cluster.draft_wire import TAG_BYTES, pack
+    from cluster.engine.draft_wire import TAG_BYTES, pack
     assert len(pack({"client": "x" * 64, "evict": [], "seqs": seqs})) + TAG_BYTES <= 4096
 
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from cluster.draft_wire import (
+from cluster.engine.draft_wire import (
     HANDSHAKE_MAX_BYTES, SECRET_ENV, AuthError, BodyError, FrameReader, FrameTooLarge, IdleTimeout, WireError,
     WireTimeout, client_handshake, secret_from_env, send_payload, server_handshake,
 )

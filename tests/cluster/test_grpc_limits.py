@@ -12,9 +12,10 @@ import grpc
 import pytest
 
 from cluster.config import parse_config
-from cluster.placement import GRPC_MAX_MESSAGE_ENV, grpc_message_options, ray_node_env
+from cluster.ops.placement import GRPC_MAX_MESSAGE_ENV, grpc_message_options, ray_node_env
 from cluster.tls import GrpcTlsForwarder, grpc_channel_credentials, grpc_server_credentials, make_test_ca_and_cert
 from tests.k8s.k8s_checks import ROOT
+from tests.paths import LOCAL_CPU
 
 MIB = 1 << 20
 
@@ -22,7 +23,7 @@ MIB = 1 << 20
 def config(**limits):
     import yaml
 
-    raw = yaml.safe_load((ROOT / "cluster/configs/local-cpu.yaml").read_text())
+    raw = yaml.safe_load(LOCAL_CPU.read_text())
     raw["api"]["limits"] = limits
     return parse_config(raw)
 

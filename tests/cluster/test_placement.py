@@ -1,4 +1,4 @@
-"""How `specserve up` starts or joins Ray (cluster.placement.ray_init_kwargs): a local Ray binds to
+"""How `specserve up` starts or joins Ray (cluster.ops.placement.ray_init_kwargs): a local Ray binds to
 loopback unless the config says otherwise; joining a cluster passes no local-only argument."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from cluster.config import load_config, parse_config
-from cluster.placement import (
+from cluster.ops.placement import (
     RAY_LOOPBACK_ENV, driver_log_levels, local_ray_env, ray_attach_env, ray_attach_kwargs, ray_init_kwargs,
 )
+from tests.paths import LOCAL_CPU
 
 CONFIGS = Path(__file__).resolve().parents[2] / "cluster" / "configs"
 
@@ -27,7 +28,7 @@ def _cfg(ray: dict):
 
 
 def test_the_local_default_binds_ray_to_loopback():
-    kw = ray_init_kwargs(load_config(CONFIGS / "local-cpu.yaml"), pythonpath="/src")
+    kw = ray_init_kwargs(load_config(LOCAL_CPU), pythonpath="/src")
     assert kw["address"] is None  # a local Ray is started ...
     assert kw["_node_ip_address"] == "127.0.0.1"  # ... and its GCS, raylet and workers listen on loopback
     assert kw["num_cpus"] == 4 and kw["_metrics_export_port"] == 8090
@@ -44,7 +45,7 @@ def test_node_address_is_configurable_and_joining_passes_no_local_arguments():
 
 
 def test_loopback_needs_rays_switch_and_only_a_loopback_address_sets_it():
-    assert local_ray_env(load_config(CONFIGS / "local-cpu.yaml"))[RAY_LOOPBACK_ENV] == "0"
+    assert local_ray_env(load_config(LOCAL_CPU))[RAY_LOOPBACK_ENV] == "0"
     assert RAY_LOOPBACK_ENV not in local_ray_env(_cfg({"node_ip_address": "10.0.0.5"}))
     assert RAY_LOOPBACK_ENV not in local_ray_env(_cfg({"node_ip_address": None}))
 
@@ -52,7 +53,7 @@ def test_loopback_needs_rays_switch_and_only_a_loopback_address_sets_it():
 _LISTENERS = """
 import json, psutil, ray
 from cluster.config import load_config
-from cluster.placement import ray_init_kwargs
+from cluster.ops.placement import ray_init_kwargs
 ctx = ray.init(**ray_init_kwargs(load_config(%r), pythonpath="."))
 pids = {p.pid for p in psutil.Process().children(recursive=True)} | {psutil.Process().pid}
 ips = sorted({c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.pid in pids})
@@ -64,8 +65,8 @@ ray.shutdown()
 def test_a_local_ray_started_as_up_starts_it_listens_on_loopback_only():
     """A real Ray, started with `specserve up`'s environment and arguments for the local default:
     its node address and every listening socket of its processes are loopback ones."""
-    env = {**os.environ, **local_ray_env(load_config(CONFIGS / "local-cpu.yaml"))}
-    out = subprocess.run([sys.executable, "-c", _LISTENERS % str(CONFIGS / "local-cpu.yaml")], env=env,
+    env = {**os.environ, **local_ray_env(load_config(LOCAL_CPU))}
+    out = subprocess.run([sys.executable, "-c", _LISTENERS % str(LOCAL_CPU)], env=env,
                          capture_output=True, text=True, timeout=180, cwd=CONFIGS.parents[1])
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
@@ -77,7 +78,7 @@ def test_workers_output_reaches_the_terminal_only_when_asked():
     """Ray forwards every worker's stdout and stderr (vLLM engines, Serve's controller and proxies:
     hundreds of lines per start-up) unless told not to: `specserve up` forwards them only with
     --verbose, and `specserve status` never (its JSON is its whole output)."""
-    cfg = load_config(CONFIGS / "local-cpu.yaml")
+    cfg = load_config(LOCAL_CPU)
     assert ray_init_kwargs(cfg, "/src")["log_to_driver"] is False
     assert ray_init_kwargs(cfg, "/src", log_to_driver=True)["log_to_driver"] is True
     joined = _cfg({"address": "auto"})
@@ -102,7 +103,7 @@ def test_a_client_attaches_with_the_loopback_switch_only_to_a_loopback_ray():
     """`specserve status` attaches to the running Ray: to the local default's (loopback) with Ray's
     loopback switch, else Ray dials the machine's routable address and retries for minutes; to a
     joined or routable cluster without it (the switch would give the client a loopback node address)."""
-    local = load_config(CONFIGS / "local-cpu.yaml")
+    local = load_config(LOCAL_CPU)
     assert ray_attach_env(local, {}) == {RAY_LOOPBACK_ENV: "0"}
     assert ray_attach_env(local, {"RAY_ADDRESS": "ray://localhost:10001"}) == {RAY_LOOPBACK_ENV: "0"}
     assert ray_attach_env(local, {"RAY_ADDRESS": "10.1.2.3:6379"}) == {}

@@ -23,10 +23,11 @@ from cluster.policy import (
     score, step_cost, step_overheads,
     step_time_rel, tuning_rows,
 )
-from cluster.routing import PoolView
+from cluster.routing.route import PoolView
 from cluster.speculation import WORKLOAD_CLASSES, SpecMode, SpecStats
-from cluster.tuning_cells import cell_from_requests, parse_cell
-from cluster.vllm_scheduler import k_cap_for_batch
+from cluster.state.tuning_cells import cell_from_requests, parse_cell
+from cluster.engine.vllm_scheduler import k_cap_for_batch
+from tests.paths import LOCAL_CPU
 
 ROUTER = RouterConfig()
 P = PolicyParams()
@@ -568,7 +569,7 @@ def test_tuning_rows_have_the_tuning_entry_fields():
 def test_plain_decoding_consolidates_on_shared_hardware_and_spreads_on_separate():
     from dataclasses import replace
 
-    from cluster.routing import with_load
+    from cluster.routing.route import with_load
 
     # Nothing pays for speculation (α = 0): K = 0 everywhere, so only the tie-breaks decide.
     priors = (("*", 0.0),)
@@ -625,7 +626,7 @@ def test_pool_config_validates_priors():
 # -- pools that time-share one machine (hardware_group) ---------------------------------------------
 
 def _grouped(ng_running: float, dr_running: float, dr_prior: float):
-    from cluster.routing import with_load
+    from cluster.routing.route import with_load
 
     views = [replace(ngram(prior=0.05), hardware_group="hw"), replace(draft(prior=dr_prior), hardware_group="hw")]
     return with_load(views, {"ngram": ng_running, "draft": dr_running})
@@ -735,7 +736,7 @@ def test_cap_table_counts_the_fixed_cost():
 
 def test_pool_config_prior_draft_cost():
     from cluster.config import ConfigError, parse_config
-    from cluster.routing import pool_views
+    from cluster.routing.route import pool_views
 
     raw = {"models": {"m": {"source": "hub/x"}, "d": {"source": "hub/d"}},
            "pools": {"p": {"model": "m", "method": "eagle", "drafter": "d", "max_k": 2,
@@ -755,9 +756,9 @@ def test_local_config_cold_start_keeps_low_acceptance_classes_off_the_eagle_pool
     from pathlib import Path
 
     from cluster.config import load_config
-    from cluster.routing import explain_choices, pool_views
+    from cluster.routing.route import explain_choices, pool_views
 
-    cfg = load_config(Path(__file__).resolve().parents[2] / "cluster/configs/local-cpu.yaml")
+    cfg = load_config(LOCAL_CPU)
     rows = explain_choices(pool_views(cfg), cfg.router, None, WORKLOAD_CLASSES, (1, 4, 16))
     assert rows and all(r["mode"] != "eagle" for r in rows), [r for r in rows if r["mode"] == "eagle"]
     assert any(r["mode"] == "ngram" and r["k"] >= 3 for r in rows if r["batch"] == 1)
@@ -790,7 +791,7 @@ def test_splitting_a_shared_machine_is_never_cheaper_than_one_batch():
     t(1) + t(15) = 4.6 against t(16) = 6.6, and send plain-decoding requests to a second engine on
     the same two cores."""
     from cluster.policy import joining_step_rel
-    from cluster.routing import with_load
+    from cluster.routing.route import with_load
 
     view = _plain_steps({"1": 100, "2-3": 172, "4-7": 136, "8-15": 363, "16+": 664})
     views = [replace(ngram(prior=0.62), hardware_group="hw"), replace(eagle(name="draft"), hardware_group="hw")]

@@ -1,4 +1,4 @@
-"""cluster/reaper.py on real processes: an orphaned grandchild is re-parented to a subreaper and
+"""cluster/ops/reaper.py on real processes: an orphaned grandchild is re-parented to a subreaper and
 stopped by `reap_descendants`; one that ignores SIGTERM is killed after the grace period."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import psutil
 # engine start-up does to its vLLM engine process).
 _SCRIPT = textwrap.dedent("""
     import json, subprocess, sys, time
-    from cluster import reaper
+    from cluster.ops import reaper
     subreaper = reaper.become_subreaper()
     grandchild = sys.argv[1]
     orphaner = subprocess.Popen([sys.executable, "-c",
@@ -58,7 +58,7 @@ def test_a_process_that_ignores_sigterm_is_killed_after_the_grace_period():
 
 
 def test_nothing_left_means_nothing_reaped():
-    from cluster import reaper
+    from cluster.ops import reaper
 
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from cluster.redis_server import (
+from cluster.state.redis_server import (
     RedisStartError, default_data_dir, ensure_local_redis, find_redis_server, free_port, parse_redis_url, ping,
     server_args, start_local_redis,
 )

@@ -10,11 +10,12 @@ import yaml
 
 from cluster.bench.remote import bench_config
 from cluster.config import ConfigError, parse_config
-from cluster.placement import drafter_deployment_options, required_resources
+from cluster.ops.placement import drafter_deployment_options, required_resources
 from cluster.speculation import SpecMode
 from deployments.engine import engine_kwargs
+from tests.paths import LOCAL_CPU
 
-LOCAL = Path(__file__).resolve().parents[2] / "cluster" / "configs" / "local-cpu.yaml"
+LOCAL = LOCAL_CPU
 
 
 def remote_raw() -> dict:
@@ -56,8 +57,8 @@ def test_engine_of_a_remote_pool_loads_the_remote_proposer_with_its_timeout():
     pool = parse_config(remote_raw()).pools["remote"]
     kw = engine_kwargs(pool, "/m", None, "m")
     assert kw["speculative_config"] == {"method": "custom_class", "num_speculative_tokens": pool.max_k,
-                                        "model": "cluster.remote_proposer.RemoteDraftProposer"}
-    assert kw["worker_extension_cls"] == "cluster.remote_proposer.RemoteDraftWorkerExtension"
+                                        "model": "cluster.engine.remote_proposer.RemoteDraftProposer"}
+    assert kw["worker_extension_cls"] == "cluster.engine.remote_proposer.RemoteDraftWorkerExtension"
     assert kw["additional_config"]["specserve"]["remote_drafter"] == {"timeout_s": 0.5, "reprobe_s": 1.0}
 
 
@@ -72,8 +73,8 @@ def test_a_drafter_replica_gets_its_wire_bounds_from_the_config(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(app.DrafterServer, "__init__", lambda self, *a, **kw: seen.update(kw))
-    monkeypatch.setattr("cluster.models.resolve_model", lambda name, config: f"/models/{name}")
-    monkeypatch.setattr("cluster.logsafe.setup_replica_logging", lambda: None)  # the test process's logging stays
+    monkeypatch.setattr("cluster.ops.models.resolve_model", lambda name, config: f"/models/{name}")
+    monkeypatch.setattr("cluster.ops.logsafe.setup_replica_logging", lambda: None)  # the test process's logging stays
     raw = remote_raw()
     raw["drafters"]["bench"].update(max_k=6, wire={"max_connections": 9, "idle_timeout_s": 60})
     cfg = parse_config(raw)

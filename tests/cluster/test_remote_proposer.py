@@ -14,12 +14,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from cluster.remote_proposer import (  # noqa: E402
+from cluster.engine.remote_proposer import (  # noqa: E402
     CircuitBreaker, RemoteDraftProposer, RemoteDraftSession, SeqWork, TcpDraftClient,
 )
 from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP  # noqa: E402
 from deployments.drafter import DraftModel, Drafter, DraftServer  # noqa: E402
-from cluster.draft_wire import SECRET_ENV  # noqa: E402
+from cluster.engine.draft_wire import SECRET_ENV  # noqa: E402
 from tests.drafter_peer import SECRET, tiny_llama  # noqa: E402
 
 

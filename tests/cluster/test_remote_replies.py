@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.draft_limits import WireLimits
-from cluster.draft_wire import SECRET_ENV, WireError, server_handshake
-from cluster.remote_proposer import (
+from cluster.engine.draft_limits import WireLimits
+from cluster.engine.draft_wire import SECRET_ENV, WireError, server_handshake
+from cluster.engine.remote_proposer import (
     RemoteDraftProposer, RemoteDraftSession, SeqWork, TcpDraftClient, connector,
 )
 from tests.drafter_peer import SECRET

@@ -1,11 +1,13 @@
+from tests.paths import LOCAL_CPU
 from dataclasses import replace
 
 import pytest
 
-from cluster.api import ApiError, ErrorCode
+from cluster.api.types import ApiError, ErrorCode
 from cluster.config import RouterConfig
-from cluster.routing import PoolView, resolve_model, route
+from cluster.routing.route import PoolView, resolve_model, route
 from cluster.speculation import SpecMode
+from tests.paths import LOCAL_CPU
 
 NGRAM = PoolView("ngram", "m", SpecMode.NGRAM, 6)
 DRAFT = PoolView("draft", "m", SpecMode.DRAFT_MODEL, 4)
@@ -83,7 +85,7 @@ def test_explain_choices_rows_follow_load_and_never_explore():
     import random
 
     from cluster.policy import TuningView
-    from cluster.routing import explain_choices
+    from cluster.routing.route import explain_choices
 
     ngram = PoolView(name="ngram", model="m", method=SpecMode.NGRAM, max_k=6, hardware_group="hw",
                      prior_alpha=(("qa", 0.05), ("translation", 0.9)))
@@ -109,7 +111,7 @@ def test_explain_choices_rows_follow_load_and_never_explore():
 def test_explain_choices_apply_the_per_step_cap_as_admission_does():
     # The policy may choose K = 3 for RAG at batch 32 where the pool's cap table says 0, and the
     # request runs plain: explain shows the policy's K and `k_run`, the K that runs.
-    from cluster.routing import explain_choices
+    from cluster.routing.route import explain_choices
 
     ngram = PoolView(name="ngram", model="m", method=SpecMode.NGRAM, max_k=6,
                      prior_alpha=(("*", 0.05), ("structured", 0.95)))
@@ -124,7 +126,7 @@ def test_explain_choices_apply_the_per_step_cap_as_admission_does():
 
 
 def test_explain_choices_cold_start_without_a_view():
-    from cluster.routing import explain_choices
+    from cluster.routing.route import explain_choices
 
     ngram = PoolView(name="ngram", model="m", method=SpecMode.NGRAM, max_k=4, prior_alpha=(("*", 0.7),))
     rows = explain_choices([ngram], ROUTER, None, ("chat",), (1,))
@@ -140,12 +142,12 @@ def test_tuning_explain_command_prints_cold_start_choices_when_redis_is_unreacha
 
     import yaml
 
-    from cluster.cli import main
+    from cluster.ops.cli import main
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "cluster/configs/local-cpu.yaml").read_text())
+    raw = yaml.safe_load(LOCAL_CPU.read_text())
     raw["redis"] = {**raw["redis"], "url": f"redis://127.0.0.1:{port}/0", "start_local": False}
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(raw))
@@ -185,7 +187,7 @@ def _pool(**kw):
      ({"k_grow_step": 2, "k_grow_max": 5, "max_k": 2}, 2, "policy", None, None)],  # ... down to no growth
 )
 def test_growth_rule(pool_kw, k, by, k_grow, want):
-    from cluster.routing import Decision, growth_rule
+    from cluster.routing.route import Decision, growth_rule
 
     d = Decision("ngram", SpecMode.NGRAM if k else SpecMode.NONE, k, by)
     assert growth_rule(_pool(**pool_kw), d, k_grow) == want
@@ -193,7 +195,7 @@ def test_growth_rule(pool_kw, k, by, k_grow, want):
 
 def test_growth_rule_refuses_a_remote_drafter_and_names_the_field():
     from cluster.config import PoolConfig
-    from cluster.routing import Decision, growth_rule
+    from cluster.routing.route import Decision, growth_rule
 
     pool = PoolConfig(model="m", method="remote_draft", max_k=4, remote_drafter="d")
     d = Decision("remote", SpecMode.REMOTE_DRAFT, 2, "request")

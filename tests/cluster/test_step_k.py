@@ -1,4 +1,4 @@
-"""cluster.step_k: the per-step K choice is the batch-goodput optimum, and its inputs are learned."""
+"""cluster.engine.step_k: the per-step K choice is the batch-goodput optimum, and its inputs are learned."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.step_k import (RequestDrafts, StepCost, StepCostLine, acceptance, batch_optimism, batch_rate,
-                            choose_step_ks,
-                            next_acceptance)
+from cluster.engine.step_k import (RequestDrafts, StepCost, StepCostLine, acceptance, batch_optimism, batch_rate,
+                                   choose_step_ks,
+                                   next_acceptance)
 
 lines = st.builds(StepCostLine, a=st.floats(0.01, 1.0), c=st.floats(0.0, 1.0), b=st.floats(0.0, 0.5),
                   f=st.floats(0.0, 0.5))

@@ -1,4 +1,4 @@
-"""What traffic teaches the tuner (`cluster.teaching`): the rule, client identity and the budget."""
+"""What traffic teaches the tuner (`cluster.policy.teaching`): the rule, client identity and the budget."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from dataclasses import replace
 
 import pytest
 
-from cluster.api import GenerateRequest
+from cluster.api.types import GenerateRequest
 from cluster.config import RouterConfig
-from cluster.decision import Decision
+from cluster.routing.decision import Decision
 from cluster.speculation import WORKLOAD_CLASSES, SpecMode
-from cluster.teaching import (EXCLUSION_REASONS, MAX_CLIENTS, OTHERS, ClientBudget, Lesson, Teacher, client_id,
-                              teaches_tuner)
+from cluster.policy.teaching import (EXCLUSION_REASONS, MAX_CLIENTS, OTHERS, ClientBudget, Lesson, Teacher, client_id,
+                                     teaches_tuner)
 
 OK = Lesson(decided_by="policy", k=3, classified="code", class_hint=None, temperature=0.0, ignore_eos=False)
 

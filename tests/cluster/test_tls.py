@@ -15,7 +15,7 @@ import grpc
 import httpx
 import pytest
 
-from cluster.redis_server import find_redis_server, free_port, server_args
+from cluster.state.redis_server import find_redis_server, free_port, server_args
 from cluster.tls import (TlsConfigError, client_ssl_context, grpc_channel_credentials, grpc_server_credentials,
                          http_tls_options, make_test_ca_and_cert, redact_url, redis_client_kwargs,
                          start_grpc_tls_forwarder)

@@ -15,14 +15,14 @@ import redis
 
 from cluster.config import RedisConfig, RouterConfig
 from cluster.policy import TuningView, choose_auto
-from cluster.redis_server import free_port, start_local_redis
-from cluster.routing import Decision, PoolView
+from cluster.state.redis_server import free_port, start_local_redis
+from cluster.routing.route import Decision, PoolView
 from cluster.speculation import SpecMode, SpecStats
-from cluster.tuning import TuningStore
-from cluster.tuning_cells import (
+from cluster.state.tuning import TuningStore
+from cluster.state.tuning_cells import (
     MAX_FIELDS, MalformedCell, cell_from_requests, cell_key, increments_from_stats, parse_cell,
 )
-from cluster.wire import Completion
+from cluster.api.wire import Completion
 from tests.waiting import wait_until
 
 PREFIX = "specserve:v3"

@@ -11,7 +11,7 @@ import redis
 
 from cluster.config import RedisConfig
 from cluster.speculation import SpecStats
-from cluster.tuning import MAX_MODELS, TuningStore, redis_error_kind
+from cluster.state.tuning import MAX_MODELS, TuningStore, redis_error_kind
 from tests.waiting import wait_until
 
 PREFIX = "specserve:v3"

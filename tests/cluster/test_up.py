@@ -1,4 +1,4 @@
-"""`cluster.up`: a shutdown step that hangs or raises does not stop the rest of the shutdown (Ray's
+"""`cluster.ops.up`: a shutdown step that hangs or raises does not stop the rest of the shutdown (Ray's
 `serve.shutdown()` once waited forever on a killed controller in CI); start-up is quiet unless
 --verbose; signals during start-up stop it."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
-from cluster.up import bounded, local_drafter_secret, logs_line
+from cluster.ops.up import bounded, local_drafter_secret, logs_line
+from tests.paths import LOCAL_CPU
 
 
 def test_a_hanging_step_is_gone_past_after_its_bound(capsys):
@@ -43,9 +44,9 @@ def test_a_local_cluster_with_drafters_gets_a_new_wire_secret_per_start():
 
     from cluster.bench.remote import bench_config
     from cluster.config import parse_config
-    from cluster.draft_wire import SECRET_ENV, secret_from_env
+    from cluster.engine.draft_wire import SECRET_ENV, secret_from_env
 
-    local = yaml.safe_load((Path(__file__).resolve().parents[2] / "cluster" / "configs" / "local-cpu.yaml").read_text())
+    local = yaml.safe_load(LOCAL_CPU.read_text())
     with_drafter = parse_config(bench_config(local, 1, 2, 3, 4, timeout_s=0.5))
     first, second = local_drafter_secret(with_drafter, {}), local_drafter_secret(with_drafter, {})
     assert secret_from_env(first) and first[SECRET_ENV] != second[SECRET_ENV]
@@ -58,8 +59,8 @@ def test_a_local_cluster_with_drafters_gets_a_new_wire_secret_per_start():
 # go to the session's log directory, whose path `up` prints once, and --verbose shows them as well.
 
 def test_up_is_quiet_unless_verbose_and_the_flag_reaches_start_cluster(monkeypatch):
-    from cluster import reaper, up
-    from cluster.cli import build_parser
+    from cluster.ops import reaper, up
+    from cluster.ops.cli import build_parser
     from cluster.config import ConfigError
 
     seen = []
@@ -89,9 +90,9 @@ def test_the_log_directory_is_named_once_with_the_flag_that_shows_the_logs():
 def test_up_docstring_examples_hold():
     import doctest
 
-    import cluster.up
+    import cluster.ops.up
 
-    result = doctest.testmod(cluster.up)
+    result = doctest.testmod(cluster.ops.up)
     assert result.attempted > 0 and result.failed == 0
 
 
@@ -102,7 +103,7 @@ def test_up_docstring_examples_hold():
 
 _PROBE = r"""
 import os, signal, sys, time
-from cluster.up import hold_signals_while_stopping, interrupt_on_signals
+from cluster.ops.up import hold_signals_while_stopping, interrupt_on_signals
 print("inherited", signal.getsignal(signal.SIGINT) is signal.SIG_IGN, flush=True)
 {setup}
 try:

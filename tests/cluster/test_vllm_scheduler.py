@@ -1,8 +1,8 @@
 import pytest
 
 from cluster.speculation import EXTRA_ARGS_K
-from cluster.step_k import StepCost
-from cluster.vllm_scheduler import effective_k, k_cap_for_batch, requested_k
+from cluster.engine.step_k import StepCost
+from cluster.engine.vllm_scheduler import effective_k, k_cap_for_batch, requested_k
 
 TABLE = [(1, 6), (4, 3), (16, 0)]
 
@@ -40,7 +40,7 @@ def test_effective_k(k, k_max, batch, table, want):
 def test_scheduler_class_resolves_for_vllm():
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from cluster import vllm_scheduler
+    from cluster.engine import vllm_scheduler
 
     assert issubclass(vllm_scheduler.PerRequestKScheduler, Scheduler)
 
@@ -53,7 +53,7 @@ def test_scheduler_class_resolves_for_vllm():
      ({"specserve_k_cap": [["a", 1]]}, None), ({"specserve_k_cap": [[1, 1]] * 65}, None)],
 )
 def test_cap_table_from_request(extra, want):
-    from cluster.vllm_scheduler import cap_table_from
+    from cluster.engine.vllm_scheduler import cap_table_from
 
     assert cap_table_from(extra) == want
 
@@ -67,7 +67,7 @@ def test_cap_table_from_request(extra, want):
      ({"specserve_k_grow": "2,5"}, None), ({"specserve_k_grow": [2, "x"]}, None), ({"specserve_k_grow": [-1, 5]}, None)],
 )
 def test_growth_from_request(extra, want):
-    from cluster.vllm_scheduler import growth_from
+    from cluster.engine.vllm_scheduler import growth_from
 
     assert growth_from(extra) == want
 
@@ -81,7 +81,7 @@ def test_growth_from_request(extra, want):
      (5, 3, 16, [(1, 6), (16, 0)], 0)],
 )
 def test_grown_effective_k(k_state, k_base, batch, table, want):
-    from cluster.vllm_scheduler import grown_effective_k
+    from cluster.engine.vllm_scheduler import grown_effective_k
 
     assert grown_effective_k(k_state, k_base, 6, batch, table) == want
 
@@ -92,7 +92,7 @@ def test_next_k_follows_the_replays_growing_policy():
     import random
 
     from cluster.bench.k_replay import GrowOnFullAccept, Step
-    from cluster.vllm_scheduler import next_k
+    from cluster.engine.vllm_scheduler import next_k
 
     rng = random.Random(7)
     for base, up, top in [(1, 2, 5), (3, 2, 5), (2, 1, 6), (4, 2, 6)]:
@@ -106,7 +106,7 @@ def test_next_k_follows_the_replays_growing_policy():
 
 
 def test_next_k_edges():
-    from cluster.vllm_scheduler import next_k
+    from cluster.engine.vllm_scheduler import next_k
 
     assert next_k(0, 0, 0, (2, 5), 0, 0) == 0  # K = 0 drafts nothing and stays
     assert next_k(2, 2, 3, (2, 5), 2, 2) == 4  # a load cap had cut it to 2: grow from what ran
@@ -128,7 +128,7 @@ def _scheduler(monkeypatch, requests: dict):
 
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from cluster import vllm_scheduler
+    from cluster.engine import vllm_scheduler
 
     monkeypatch.setattr(Scheduler, "update_draft_token_ids", lambda self, d: None)
     monkeypatch.setattr(Scheduler, "update_from_output", lambda self, so, mo: {})

@@ -19,8 +19,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from cluster.draft_wire import AuthError, FrameReader, client_handshake, pack  # noqa: E402
-from cluster.remote_proposer import RemoteDraftSession, SeqWork, TcpDraftClient  # noqa: E402
+from cluster.engine.draft_wire import AuthError, FrameReader, client_handshake, pack  # noqa: E402
+from cluster.engine.remote_proposer import RemoteDraftSession, SeqWork, TcpDraftClient  # noqa: E402
 from deployments.drafter import DraftModel, Drafter, DraftServer  # noqa: E402
 from tests.drafter_peer import SECRET, call, connect, greedy, send_body, tiny_llama  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402

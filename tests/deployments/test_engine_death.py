@@ -21,15 +21,16 @@ from starlette.requests import Request
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
 import deployments.engine_call as engine_call
-from cluster.api import ApiError
+from cluster.api.types import ApiError
 from cluster.config import load_config
 from deployments.engine import EngineChunk, EngineInputError, EngineRequest, EngineServer
 from deployments.engine_death import RETIRE_EXIT_CODE, EngineDead, engine_died, retire_process
 from specserve.v1 import specserve_pb2 as pb
 from tests.deployments.test_router import BODY, FINAL, FakeCall, make_router, post
 from tests.deployments.test_router_auth import Ctx
+from tests.paths import LOCAL_CPU
 
-POOL = load_config(Path(__file__).resolve().parents[2] / "cluster" / "configs" / "local-cpu.yaml").pools["ngram"]
+POOL = load_config(LOCAL_CPU).pools["ngram"]
 
 
 # -- the replica ----------------------------------------------------------------------------------

@@ -12,8 +12,9 @@ import pytest
 
 from cluster.config import load_config
 from deployments.engine import EngineServer
+from tests.paths import LOCAL_CPU
 
-POOL = load_config(Path(__file__).resolve().parents[2] / "cluster" / "configs" / "local-cpu.yaml").pools["ngram"]
+POOL = load_config(LOCAL_CPU).pools["ngram"]
 
 
 class FakeEngine:
@@ -83,7 +84,7 @@ def test_the_load_report_does_not_carry_the_drafters_address():
     """The router's status page shows each pool's load report, without a key when auth is off."""
     import json
 
-    from cluster.remote_proposer import public_drafter_status
+    from cluster.engine.remote_proposer import public_drafter_status
 
     status = {"endpoint": "10.20.30.40:45678", "breaker_open": False, "calls": 3, "last_error": None}
 

@@ -1,10 +1,12 @@
+from tests.paths import LOCAL_CPU
 from types import SimpleNamespace
 
 from cluster.config import load_config
 from deployments.engine import engine_kwargs, speculative_config, stats_from_output
 from pathlib import Path
+from tests.paths import LOCAL_CPU
 
-CFG = load_config(Path(__file__).resolve().parents[2] / "cluster" / "configs" / "local-cpu.yaml")
+CFG = load_config(LOCAL_CPU)
 
 
 def metrics(hist, drafted, per_step_drafted=()):
@@ -69,7 +71,7 @@ def test_speculative_config_per_method():
 
 def test_engine_kwargs_pool_overrides_win():
     kw = engine_kwargs(CFG.pools["ngram"], "/m", None, "smollm2-135m", "float32")
-    assert kw["scheduler_cls"] == "cluster.vllm_scheduler.PerRequestKScheduler"
+    assert kw["scheduler_cls"] == "cluster.engine.vllm_scheduler.PerRequestKScheduler"
     assert kw["async_scheduling"] is False and kw["enforce_eager"] is True and kw["max_num_seqs"] == 64
     assert kw["dtype"] == "float32"
     assert kw["trust_remote_code"] is False  # only the model's own setting turns it on

@@ -1,4 +1,4 @@
-"""How an engine replica gathers vLLM's outputs into chunks (cluster/coalesce.py): sizes follow
+"""How an engine replica gathers vLLM's outputs into chunks (cluster/engine/coalesce.py): sizes follow
 the batch, the first token and the end go at once, nothing is lost or reordered. The engine is a
 test double with AsyncLLM's call shape; tests/e2e/test_foundation.py runs the real path."""
 
@@ -10,8 +10,9 @@ from types import SimpleNamespace
 
 from cluster.config import load_config
 from deployments.engine import EngineRequest, EngineServer, collect
+from tests.paths import LOCAL_CPU
 
-POOL = load_config(Path(__file__).resolve().parents[2] / "cluster" / "configs" / "local-cpu.yaml").pools["ngram"]
+POOL = load_config(LOCAL_CPU).pools["ngram"]
 
 
 class StepEngine:
@@ -87,9 +88,9 @@ def test_collect_of_a_gathered_stream_is_the_whole_output():
 def test_nothing_is_held_past_the_hold_time(monkeypatch):
     """A long unary request still sends something every MAX_HOLD_S, so the router's idle timeout
     does not fire on a request that is making progress."""
-    import cluster.coalesce
+    import cluster.engine.coalesce
 
-    monkeypatch.setattr(cluster.coalesce, "MAX_HOLD_S", 0.05)
+    monkeypatch.setattr(cluster.engine.coalesce, "MAX_HOLD_S", 0.05)
     out = chunks([[t] for t in range(40)], batch=1, streamed=False, step_s=0.01)
     assert 4 <= len(out) <= 20, [len(c.token_ids) for c in out]
     assert [t for c in out for t in c.token_ids] == list(range(40))

@@ -13,11 +13,12 @@ from starlette.requests import Request
 
 from cluster.config import load_config
 from cluster.speculation import WORKLOAD_CLASSES
-from cluster.vllm_scheduler import k_cap_for_batch
+from cluster.engine.vllm_scheduler import k_cap_for_batch
 from deployments.engine import EngineChunk, EngineInputError
 from deployments.router import Router
+from tests.paths import LOCAL_CPU
 
-CONFIG = Path(__file__).resolve().parents[2] / "cluster" / "configs" / "local-cpu.yaml"
+CONFIG = LOCAL_CPU
 
 
 class FakeCall:
@@ -169,7 +170,7 @@ def test_a_policy_k_is_capped_at_admission_as_the_engine_will_cap_it():
 def _req(body):
     import copy
 
-    from cluster.api import from_openai
+    from cluster.api.types import from_openai
 
     return from_openai(copy.deepcopy(body), chat=True)  # from_openai takes the specserve block out of the body
 
@@ -228,8 +229,8 @@ def test_a_failing_stats_recorder_never_fails_the_request():
 def test_router_metrics_accept_zero_counts():
     import ray
 
-    from cluster.metrics import RouterMetrics
-    from cluster.routing import Decision
+    from cluster.ops.metrics import RouterMetrics
+    from cluster.routing.route import Decision
     from cluster.speculation import SpecMode
 
     ray.init(num_cpus=1, include_dashboard=False, ignore_reinit_error=True)
@@ -266,7 +267,7 @@ class RecordingTuning:
 def test_stats_are_recorded_in_the_bucket_of_the_load_they_met():
     # The local pools share one hardware group: a request that ran while 3 others ran on either
     # pool met a batch of 4 (bucket 4-7), whichever pool; one alone met batch 1. A K the caller
-    # chose teaches the tuner nothing (`cluster.teaching`).
+    # chose teaches the tuner nothing (`cluster.policy.teaching`).
     import time
 
     router, _ = make_router(lambda: FakeCall([FINAL]))
@@ -402,7 +403,7 @@ def test_a_policy_k_grows_in_the_engine_an_explicit_one_only_when_asked():
 
 
 def test_grpc_stats_carry_the_exploration_flag():
-    from cluster.wire import Completion, spec_stats_proto
+    from cluster.api.wire import Completion, spec_stats_proto
     from specserve.v1 import specserve_pb2 as pb
 
     c = Completion(request_id="r", model="m", text="", token_ids=[], finish_reason="stop",

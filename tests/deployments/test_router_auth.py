@@ -14,12 +14,13 @@ from grpc_health.v1 import health_pb2
 from specserve.v1 import specserve_pb2 as pb
 from starlette.requests import Request
 
-from cluster.auth import ApiKeyStore
+from cluster.api.auth import ApiKeyStore
 from cluster.config import load_config
 from deployments.router import Router
+from tests.paths import LOCAL_CPU
 
 KEY = "sk-test-0123456789abcdef"
-CONFIG = Path(__file__).resolve().parents[2] / "cluster" / "configs" / "local-cpu.yaml"
+CONFIG = LOCAL_CPU
 
 
 class Ctx:

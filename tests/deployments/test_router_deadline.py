@@ -1,4 +1,4 @@
-"""The router's end-to-end deadline (router.request_timeout_s, `cluster.deadline`) at both doors:
+"""The router's end-to-end deadline (router.request_timeout_s, `cluster.routing.deadline`) at both doors:
 a slow engine, a retry that would overrun, a slow HTTP body; each ends with DEADLINE_EXCEEDED /
 HTTP 504 (the body: 408) naming the limit, and the engine call is cancelled (vLLM aborts it)."""
 
@@ -74,7 +74,7 @@ def test_grpc_generate_past_the_deadline_is_deadline_exceeded():
     import grpc
     import pytest
 
-    from cluster.api import ApiError
+    from cluster.api.types import ApiError
     from specserve.v1 import specserve_pb2 as pb
 
     class Ctx:

@@ -14,14 +14,15 @@ import pytest
 from starlette.requests import Request
 
 from cluster.config import RedisConfig, load_config
-from cluster.tuning import TuningStore
+from cluster.state.tuning import TuningStore
 from deployments.engine import EngineChunk
 from deployments.router import Router
 from specserve.v1 import specserve_pb2 as pb
 from tests.deployments.test_router import FINAL, FakeCall, FakeHandle
 from tests.deployments.test_router_auth import Ctx  # a gRPC context double; no metadata by default
+from tests.paths import LOCAL_CPU
 
-CONFIG = Path(__file__).resolve().parents[2] / "cluster" / "configs" / "local-cpu.yaml"
+CONFIG = LOCAL_CPU
 MODEL = "smollm2-135m"
 
 

@@ -17,10 +17,10 @@ from starlette.requests import Request
 
 from cluster.config import RedisConfig
 from cluster.policy import class_model
-from cluster.redis_server import free_port, start_local_redis
-from cluster.routing import explain_choices, pool_views
-from cluster.teaching import Teacher
-from cluster.tuning import TuningStore
+from cluster.state.redis_server import free_port, start_local_redis
+from cluster.routing.route import explain_choices, pool_views
+from cluster.policy.teaching import Teacher
+from cluster.state.tuning import TuningStore
 from deployments.engine import EngineChunk
 from tests.deployments.test_router import FakeCall, make_router
 
@@ -55,7 +55,7 @@ def _router(store, accept_box):
             return call
         h.remote = remote
     router.tuning = store
-    from cluster.classifier import classify
+    from cluster.routing.classifier import classify
     router.classify = lambda prompt, messages: classify(text=prompt, messages=messages)
     return router
 
@@ -173,7 +173,7 @@ def test_a_client_past_its_budget_is_served_and_not_learned_from(redis_url):
 
 
 def test_the_client_is_the_api_key_label_when_keys_are_on(tmp_path):
-    from cluster.auth import ApiKeyStore
+    from cluster.api.auth import ApiKeyStore
 
     keys = tmp_path / "keys"
     keys.write_text("team-a:sk-aaaaaaaaaaaaaaaaaaaaaaaa\nteam-b:sk-bbbbbbbbbbbbbbbbbbbbbbbb\n")
@@ -203,7 +203,7 @@ def test_the_client_is_the_api_key_label_when_keys_are_on(tmp_path):
 
 
 def test_grpc_clients_are_told_apart_by_peer():
-    from cluster.teaching import client_id
+    from cluster.policy.teaching import client_id
 
     router, _ = make_router(lambda: FakeCall())
 

@@ -4,13 +4,11 @@ seeded prompt and vLLM rewound its CPU generator: "CPU Generator does not use of
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-pytestmark = pytest.mark.engine
+from tests.paths import LOCAL_CPU
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.engine
 
 
 def test_seeded_sampled_batch_overflowing_a_step_completes_and_reproduces():
@@ -18,9 +16,9 @@ def test_seeded_sampled_batch_overflowing_a_step_completes_and_reproduces():
 
     from cluster.config import load_config
     from cluster.distill.vllm_gen import generate_vllm
-    from cluster.models import resolve_model
+    from cluster.ops.models import resolve_model
 
-    path = resolve_model("smollm2-135m", load_config(ROOT / "cluster" / "configs" / "local-cpu.yaml"))
+    path = resolve_model("smollm2-135m", load_config(LOCAL_CPU))
     tok = AutoTokenizer.from_pretrained(path)
     prompts = [tok(" ".join(f"item{i}-{j}" for j in range(250)))["input_ids"] for i in range(6)]
     assert 2 * min(map(len, prompts)) > 2048  # any two of them overflow one step of 2048 tokens

@@ -14,14 +14,15 @@ import httpx
 import pytest
 import yaml
 
-from cluster.redis_server import free_port
+from cluster.state.redis_server import free_port
+from tests.paths import LOCAL_CPU
 
 ROOT = Path(__file__).resolve().parents[2]
-LOCAL_CONFIG = ROOT / "cluster" / "configs" / "local-cpu.yaml"
+LOCAL_CONFIG = LOCAL_CPU
 START_TIMEOUT_S = 600
 
 
-# Ports drawn outside the kernel's ephemeral range, never twice (`cluster.redis_server.free_port`).
+# Ports drawn outside the kernel's ephemeral range, never twice (`cluster.state.redis_server.free_port`).
 _free_port = free_port
 
 
@@ -57,7 +58,7 @@ def launch_cluster(tmp: Path, name: str, mutate=None):
     log_path = tmp / "up.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", "--config", str(config_path),
+        proc = subprocess.Popen([sys.executable, "-m", "cluster.ops.cli", "up", "--config", str(config_path),
                                  "--verbose"],  # engine logs in up.log, for a failing test's report
                                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
                                 start_new_session=True)

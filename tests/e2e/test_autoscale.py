@@ -37,7 +37,7 @@ def as_cluster(tmp_path_factory):
 
 
 def _record(cluster) -> dict:
-    from cluster.autoscale_ray import AutoscaleRecords
+    from cluster.autoscale.ray_policy import AutoscaleRecords
 
     reader = AutoscaleRecords({"url": cluster.redis_url}, ["ngram"], start=False)
     try:

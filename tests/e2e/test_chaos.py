@@ -35,7 +35,7 @@ import grpc
 import httpx
 import pytest
 
-from cluster.redis_server import parse_redis_url, start_local_redis
+from cluster.state.redis_server import parse_redis_url, start_local_redis
 from specserve.v1 import specserve_pb2 as pb
 from specserve.v1 import specserve_pb2_grpc as pb_grpc
 from tests.e2e.conftest import launch_cluster

@@ -26,7 +26,7 @@ MAX_TOKENS = 32
 
 def test_generate_cli_returns_text_and_stats(cluster):
     out = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "generate", "List three colours.", "--url", cluster.http_url,
+        [sys.executable, "-m", "cluster.ops.cli", "generate", "List three colours.", "--url", cluster.http_url,
          "--mode", "ngram", "--k", "3", "--max-tokens", "24"],
         capture_output=True, text=True, timeout=300,
     )
@@ -38,7 +38,7 @@ def test_generate_cli_returns_text_and_stats(cluster):
 
 def test_status_reports_pools_and_redis(cluster):
     """The router's view and Ray Serve's (attached to the local Ray on loopback), within the bound."""
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", cluster.http_url,
+    out = subprocess.run([sys.executable, "-m", "cluster.ops.cli", "status", "--url", cluster.http_url,
                           "--ray-timeout", "60"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert '"ngram"' in out.stdout and '"draft"' in out.stdout and '"redis_ok"' in out.stdout
@@ -155,7 +155,7 @@ def test_k_grows_within_a_request_while_its_drafts_are_accepted(cluster):
 
 def test_router_decided_requests_get_their_k_per_step_in_the_engine(cluster):
     """`auto` on the ngram pool: the request carries its class's α and the pool's max_k as a
-    ceiling, and the engine's scheduler picks K at every step (cluster/step_k.py): on a copy it
+    ceiling, and the engine's scheduler picks K at every step (cluster/engine/step_k.py): on a copy it
     drafts past any small fixed K, in fewer steps than plain decoding, with the same greedy text."""
     text = COPY_PROMPT
 

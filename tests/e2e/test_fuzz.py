@@ -4,7 +4,7 @@ Hypothesis draws malformed or extreme requests (bad types, out-of-range numbers,
 1 MB prompts, unknown fields, invalid UTF-8, deep JSON nesting, K beyond the pool's max, bad modes and
 workload classes, huge stop lists, wrong paths, methods and content types, undecodable protobuf), and
 a thread pool sends them over real HTTP and gRPC. The expected answer of each request comes from an
-oracle built from the documented validation itself (`cluster.api` for the edge, `Router.plan` for the
+oracle built from the documented validation itself (`cluster.api.types` for the edge, `Router.plan` for the
 cluster checks) run in this process, so the test checks that the *server* behaves as documented:
 
 - no crash: no 5xx (except 503/429 under load), no gRPC INTERNAL/UNKNOWN, no hang, no dropped connection;
@@ -35,11 +35,11 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from cluster.api import (MAX_PROMPT_CHARS, ApiError, ErrorCode, body_too_large, check_json_content_type,
-                         from_openai)
+from cluster.api.types import (MAX_PROMPT_CHARS, ApiError, ErrorCode, body_too_large, check_json_content_type,
+                               from_openai)
 from cluster.config import load_config
 from cluster.speculation import WORKLOAD_CLASSES, SpecMode
-from cluster.wire import from_proto
+from cluster.api.wire import from_proto
 from deployments.router import Router
 from specserve.v1 import specserve_pb2 as pb
 from specserve.v1 import specserve_pb2_grpc as pb_grpc

@@ -34,7 +34,7 @@ import httpx
 import pytest
 import redis
 
-from cluster.autoscale_ray import record_key
+from cluster.autoscale.ray_policy import record_key
 from cluster.config import parse_config
 from specserve.v1 import specserve_pb2 as pb
 from specserve.v1 import specserve_pb2_grpc as pb_grpc

@@ -19,7 +19,7 @@ import psutil
 import pytest
 import yaml
 
-from cluster.redis_server import parse_redis_url, ping
+from cluster.state.redis_server import parse_redis_url, ping
 from tests.e2e.conftest import LOCAL_CONFIG, ROOT, _free_port
 
 pytestmark = pytest.mark.engine
@@ -62,7 +62,7 @@ def _start(tmp: Path, wait_s: float, sigint_ignored: bool = False) -> tuple[subp
     key, value = tag.split("=")
     log_path = tmp / "up.log"
     with open(log_path, "w") as log:
-        cmd = [sys.executable, "-m", "cluster.cli", "up", "--config", str(config_path), "--wait-s", str(wait_s)]
+        cmd = [sys.executable, "-m", "cluster.ops.cli", "up", "--config", str(config_path), "--wait-s", str(wait_s)]
         if sigint_ignored:
             cmd = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *cmd]  # exec: the pid stays that of `up`
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from cluster.redis_server import free_port
+from cluster.state.redis_server import free_port
 from tests.e2e.conftest import launch_cluster
 from tests.e2e.helpers import chat_all, dev_prompts
 
@@ -102,7 +102,7 @@ def test_hostile_clients_neither_use_nor_stop_the_drafter(remote_cluster):
     import socket
     import struct
 
-    from cluster.draft_wire import AuthError, client_handshake
+    from cluster.engine.draft_wire import AuthError, client_handshake
 
     app, port = remote_cluster.raw["name"], remote_cluster.raw["drafters"]["l4"]["port"]
     status = httpx.get(f"{remote_cluster.http_url}/v1/specserve/status", timeout=30).text

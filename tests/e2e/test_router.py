@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from cluster.policy import BUCKET_NAMES
-from cluster.redis_server import parse_redis_url, start_local_redis
+from cluster.state.redis_server import parse_redis_url, start_local_redis
 
 pytestmark = pytest.mark.engine
 
@@ -109,12 +109,12 @@ def test_redis_outage_fails_no_request_and_tuning_resumes(cluster):
 
 
 def test_tuning_command_prints_the_table(cluster):
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "tuning", "--config", str(cluster.config_path)],
+    out = subprocess.run([sys.executable, "-m", "cluster.ops.cli", "tuning", "--config", str(cluster.config_path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "smollm2-135m" in out.stdout and "ngram" in out.stdout
     assert "step_ms_at_k" in out.stdout.splitlines()[1]
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "tuning", "--json", "--config", str(cluster.config_path)],
+    out = subprocess.run([sys.executable, "-m", "cluster.ops.cli", "tuning", "--json", "--config", str(cluster.config_path)],
                          capture_output=True, text=True, timeout=120)
     rows = json.loads(out.stdout)
     # The step time per K that the policy's cost reads: a speculative cell has it at its requests' K.

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import redis
 
-from cluster.tuning_cells import cell_key
+from cluster.state.tuning_cells import cell_key
 
 pytestmark = pytest.mark.engine
 
@@ -95,7 +95,7 @@ def test_poisoned_tuning_keys_are_ignored_with_a_warning_and_a_metric(cluster):
     assert _metric_total(text, "ray_specserve_tuning_ignored_keys") >= len(poisoned)
 
     # The warning, in the router replica's Serve log (logs/serve/replica_<app>_router_*.log, where
-    # an operator reads a replica's logs: `cluster.logsafe.route_to_serve_log`), and in the replica
+    # an operator reads a replica's logs: `cluster.ops.logsafe.route_to_serve_log`), and in the replica
     # actor's stderr (logs/worker-*.err) through the root logger.
     for pattern in ("/tmp/ray/session_*/logs/serve/replica_*router*.log", "/tmp/ray/session_*/logs/worker-*.err"):
         logs = [p for p in glob.glob(pattern) if os.path.getmtime(p) >= started - 1]

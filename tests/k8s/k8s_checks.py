@@ -75,7 +75,7 @@ def read_docs(path: Path) -> list[dict]:
 
 
 def build_all() -> dict[str, list[dict]]:
-    """{overlay name: objects of `kustomize build` (cluster.render.build)}."""
-    from cluster.kustomize import build
+    """{overlay name: objects of `kustomize build` (cluster.k8s.render.build)}."""
+    from cluster.k8s.kustomize import build
 
     return {name: build(K8S / "overlays" / name) for name in OVERLAYS}

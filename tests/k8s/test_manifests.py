@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from cluster.config import ConfigError, load_config, parse_config
-from cluster.deadline import proxy_timeout_s
-from cluster.placement import drafter_deployment_options, engine_deployment_options, used_drafters
-from cluster.render import RUN_AS_UID, effective_config, load_settings, main
+from cluster.routing.deadline import proxy_timeout_s
+from cluster.ops.placement import drafter_deployment_options, engine_deployment_options, used_drafters
+from cluster.k8s.render import RUN_AS_UID, effective_config, load_settings, main
 from tests.k8s.k8s_checks import K8S, OVERLAYS, ROOT, read_docs, schema_errors, serve_strict_errors
 
 
@@ -127,8 +127,8 @@ def test_serve_config_loads_with_ray_and_our_models(built, overlay):
     assert serve["http_options"] == {"host": "0.0.0.0", "port": cfg.api.http_port, "request_timeout_s": backstop_s}
     assert serve["grpc_options"]["port"] == cfg.api.grpc_port
     assert serve["grpc_options"]["request_timeout_s"] == backstop_s > cfg.router.request_timeout_s
-    assert "cluster.grpc_ingress.add_SpecServeServicer_to_server" in serve["grpc_options"]["grpc_servicer_functions"]
-    assert "cluster.grpc_ingress.add_HealthServicer_to_server" in serve["grpc_options"]["grpc_servicer_functions"]
+    assert "cluster.api.grpc_ingress.add_SpecServeServicer_to_server" in serve["grpc_options"]["grpc_servicer_functions"]
+    assert "cluster.api.grpc_ingress.add_HealthServicer_to_server" in serve["grpc_options"]["grpc_servicer_functions"]
     deps = {d["name"]: d for d in app["deployments"]}
     assert set(deps) == {"router"} | {f"engine-{p}" for p in cfg.pools} | {f"drafter-{d}" for d in used_drafters(cfg)}
     for name in used_drafters(cfg):
@@ -421,7 +421,7 @@ def test_serve_import_paths_exist(built, overlay):
 @pytest.mark.parametrize("mutate", [
     lambda s: s["applications"][0].update(import_path="deployments.app:no_such_builder"),
     lambda s: s["applications"][0].update(import_path="deployments.no_such_module:build_app"),
-    lambda s: s["grpc_options"]["grpc_servicer_functions"].append("cluster.grpc_ingress.add_Nothing_to_server"),
+    lambda s: s["grpc_options"]["grpc_servicer_functions"].append("cluster.api.grpc_ingress.add_Nothing_to_server"),
 ])
 def test_a_missing_import_path_fails(built, mutate):
     serve = copy.deepcopy(_serve(built["cpu-dev"]))

@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from cluster.redis_server import find_redis_server, free_port
+from cluster.state.redis_server import find_redis_server, free_port
 from tests.k8s.k8s_checks import K8S, OVERLAYS
 
 PASSWORDS = {"REDIS_ADMIN_PASSWORD": "admin-0123456789abcdef", "REDIS_GCS_PASSWORD": "gcs-0123456789abcdef",

@@ -1,4 +1,4 @@
-"""Pure pieces of cluster/render.py: merging, Kubernetes checks, placement, Serve config, kustomize subset."""
+"""Pure pieces of cluster/k8s/render.py: merging, Kubernetes checks, placement, Serve config, kustomize subset."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import pytest
 import yaml
 
 from cluster.config import ConfigError, load_config, parse_config
-from cluster.kustomize import _new_image, build, strategic_merge
-from cluster.render import (
+from cluster.k8s.kustomize import _new_image, build, strategic_merge
+from cluster.k8s.render import (
     RenderSettings, _start_params, api_key_env, api_key_volume, deep_merge, drafter_secret_env, k8s_config_errors,
     load_settings, main, placement_errors, serve_config,
 )
 from tests.k8s.k8s_checks import K8S, ROOT
+from tests.paths import LOCAL_CPU
 
 
 def _cfg(pools, **extra):
@@ -46,7 +47,7 @@ def test_deep_merge():
 
 
 def test_k8s_config_errors():
-    local = load_config(ROOT / "cluster/configs/local-cpu.yaml")
+    local = load_config(LOCAL_CPU)
     errors = k8s_config_errors(local)
     assert len(errors) == 4 and any("api.host" in e for e in errors) and any("start_local" in e for e in errors)
     assert any("ACL user" in e for e in errors)

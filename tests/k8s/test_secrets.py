@@ -1,5 +1,5 @@
 """No secret value in any manifest: every overlay, and every cluster config rendered through every
-overlay, passes cluster.secret_scan; the scan finds each kind of literal secret it names."""
+overlay, passes cluster.k8s.secret_scan; the scan finds each kind of literal secret it names."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import shutil
 import pytest
 import yaml
 
-from cluster.render import effective_config, generated_objects, load_settings, main
-from cluster.secret_scan import PLACEHOLDER_PREFIX, literal_secrets
+from cluster.k8s.render import effective_config, generated_objects, load_settings, main
+from cluster.k8s.secret_scan import PLACEHOLDER_PREFIX, literal_secrets
 from tests.k8s.k8s_checks import K8S, OVERLAYS, ROOT
 
 CONFIGS = sorted((ROOT / "cluster" / "configs").glob("*.yaml"))

@@ -21,7 +21,7 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
     """Start Redis (if local), Ray and the Serve application; return (config, redis handle).
     `verbose`: the workers' output (engines, Serve) in this terminal too, not only in the log directory."""
     from cluster.config import load_config
-    from cluster.placement import local_ray_env
+    from cluster.ops.placement import local_ray_env
 
     config = load_config(config_path)  # 1. fail fast on a bad config
     if not config.ray.address:
@@ -34,13 +34,13 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
     from ray.serve import api as serve_api
     from ray.serve.config import gRPCOptions, HTTPOptions
 
-    from cluster.models import prepare_all
-    from cluster.deadline import proxy_timeout_s
-    from cluster.placement import (
+    from cluster.ops.models import prepare_all
+    from cluster.routing.deadline import proxy_timeout_s
+    from cluster.ops.placement import (
         GRPC_SERVICER_FUNCTIONS, driver_log_levels, grpc_message_options, grpc_reflection, ray_init_kwargs,
         used_drafters,
     )
-    from cluster.draft_wire import SECRET_ENV
+    from cluster.engine.draft_wire import SECRET_ENV
     from deployments.app import build_app
 
     for name, level in driver_log_levels(verbose).items():  # after `from ray import serve`: importing it sets ray.serve's
@@ -66,7 +66,7 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
             print(f"[specserve] note: drafters and engines read {SECRET_ENV} from their node's environment "
                   "(a joined cluster's nodes must have it; drafters refuse to start without it)", file=sys.stderr)
         # A local Ray binds to loopback (ray.node_ip_address): its processes take unauthenticated calls.
-        ctx = ray.init(**ray_init_kwargs(config, pythonpath=str(Path(__file__).resolve().parents[1]),
+        ctx = ray.init(**ray_init_kwargs(config, pythonpath=str(Path(__file__).resolve().parents[2]),
                                          log_to_driver=verbose))
         interrupt_on_signals()  # ray.init replaced the SIGTERM handler with its own (sys.exit)
         print(logs_line((getattr(ctx, "address_info", None) or {}).get("session_dir"), verbose,
@@ -129,11 +129,11 @@ def logs_line(session_dir: Optional[str], verbose: bool, joined: bool) -> str:
 
 
 def local_drafter_secret(config, environ) -> dict[str, str]:
-    """The drafter wire's shared secret for a local Ray (`cluster.draft_wire`): a new random one per
+    """The drafter wire's shared secret for a local Ray (`cluster.engine.draft_wire`): a new random one per
     start when the config has drafters and `environ` has none. Set in this process before Ray starts,
     it reaches drafters and engines through the raylet's environment, not Ray's GCS."""
-    from cluster.draft_wire import SECRET_ENV, new_secret
-    from cluster.placement import used_drafters
+    from cluster.engine.draft_wire import SECRET_ENV, new_secret
+    from cluster.ops.placement import used_drafters
 
     if not used_drafters(config) or environ.get(SECRET_ENV):
         return {}
@@ -144,7 +144,7 @@ def _start_redis(config):
     if not config.redis.start_local:
         return None
     try:
-        from cluster.redis_server import ensure_local_redis
+        from cluster.state.redis_server import ensure_local_redis
     except ImportError:
         return None
     handle = ensure_local_redis(config.redis.url)
@@ -238,12 +238,12 @@ def hold_signals_while_stopping() -> None:
 
 
 def _pinner(config, every_s: float = 5.0):
-    """The serving loop's CPU pinning (`ray.pin_serving_cpus`, cluster/cpu_pinning.py): a call
+    """The serving loop's CPU pinning (`ray.pin_serving_cpus`, cluster/ops/cpu_pinning.py): a call
     that, every `every_s`, moves the local cluster's serving processes started since off the cores
     vLLM's workers are bound to. A no-op when off or when this process joined a cluster."""
     if not config.ray.pin_serving_cpus or config.ray.address:
         return lambda: None
-    from cluster.cpu_pinning import pin_serving_processes
+    from cluster.ops.cpu_pinning import pin_serving_processes
 
     all_cpus = frozenset(os.sched_getaffinity(0))  # read before this process is itself moved
     next_at = [0.0]
@@ -261,7 +261,7 @@ def _pinner(config, every_s: float = 5.0):
 
 
 def cmd_up(args) -> int:
-    from cluster import reaper
+    from cluster.ops import reaper
     from cluster.config import ConfigError
     from cluster.tls import TlsConfigError
 

@@ -23,7 +23,7 @@ each step is read in `update_from_output` from what vLLM scheduled and sampled, 
 
 A request may instead carry its class's acceptance (`EXTRA_ARGS_K_STEP`, set by the router when the
 policy chose): then its K at every step is chosen jointly with the whole batch by
-`cluster.step_k.choose_step_ks`, up to its K, from the drafts the proposer found, the request's own
+`cluster.engine.step_k.choose_step_ks`, up to its K, from the drafts the proposer found, the request's own
 recent acceptance and the engine's step time, which the scheduler measures on its own decode
 steps (`StepCost`: from the end of `schedule` to `update_from_output`, the model's forward pass,
 sampling and drafting). Requests with a fixed K keep it and count in the step's cost.
@@ -40,8 +40,8 @@ import time
 from typing import Any, Optional, Sequence
 
 from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP
-from cluster.step_k import (PRIOR_RELATIVE_COST, RequestDrafts, StepCost, StepCostLine, acceptance, batch_optimism,
-                            choose_step_ks, next_acceptance)
+from cluster.engine.step_k import (PRIOR_RELATIVE_COST, RequestDrafts, StepCost, StepCostLine, acceptance, batch_optimism,
+                                   choose_step_ks, next_acceptance)
 
 # Attributes the scheduler keeps on a vLLM Request: the K state of a growing request, and the
 # effective K its latest drafts were trimmed to.
@@ -321,7 +321,7 @@ def _make_scheduler_cls():
 
 
 def __getattr__(name: str):
-    # `scheduler_cls="cluster.vllm_scheduler.PerRequestKScheduler"` resolves through here.
+    # `scheduler_cls="cluster.engine.vllm_scheduler.PerRequestKScheduler"` resolves through here.
     if name == "PerRequestKScheduler":
         cls = _make_scheduler_cls()
         globals()[name] = cls
@@ -329,4 +329,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-SCHEDULER_CLS_PATH = "cluster.vllm_scheduler.PerRequestKScheduler"
+SCHEDULER_CLS_PATH = "cluster.engine.vllm_scheduler.PerRequestKScheduler"

@@ -8,7 +8,7 @@ Why classes matter: the router picks the speculative mode from the class. Prompt
 drafts pay off when the answer copies the prompt (summarization, rag, extraction, structured
 output over given fields, code editing) and are useless for translation and creative writing.
 So the rules separate requests by *how much the answer will copy the prompt*; confusing two
-classes of the same ``cluster.classifier_eval.COPY_GROUPS`` entry costs little, and its ``evaluate``
+classes of the same ``cluster.routing.classifier_eval.COPY_GROUPS`` entry costs little, and its ``evaluate``
 reports both.
 
 Words used below:
@@ -50,8 +50,8 @@ With ``messages``, the last user message is classified; if it comes out qa/chat/
 system message carries a context marker, or a tool/function message is present (retrieval
 results), the class is rag.
 
-Spec-Bench categories map to classes in ``cluster.classifier_eval.SPEC_BENCH_TO_CLASS`` (justified there);
-``python -m cluster.classifier_eval /work/shared/data/specbench-dev.jsonl`` prints its ``evaluate``'s report.
+Spec-Bench categories map to classes in ``cluster.routing.classifier_eval.SPEC_BENCH_TO_CLASS`` (justified there);
+``python -m cluster.routing.classifier_eval /work/shared/data/specbench-dev.jsonl`` prints its ``evaluate``'s report.
 """
 
 from __future__ import annotations

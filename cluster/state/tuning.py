@@ -11,7 +11,7 @@ Keys: `{prefix}:{model}:{mode}:{class}:{bucket}` (prefix `specserve:v3` from Red
 per tuning cell with the count fields of `cluster.policy.CellStats` (`a{i}` / `e{i}` are the
 per-position accepted / exposed steps, `r{L}` the accepted runs of L tokens, `s{K}` / `t{K}` the
 steps and decode seconds of the requests that ran at K), `chosen_k` (the incumbent K) and `updated` (unix s).
-The fields and their validation are `cluster.tuning_cells`'. A cell that is the wrong type, too big, has
+The fields and their validation are `cluster.state.tuning_cells`'. A cell that is the wrong type, too big, has
 unknown fields, non-numeric or out-of-range values, or is stale is ignored with a (rate-limited) warning and
 a counter, and deleted so writers can rebuild it.
 Any Redis error (no connection, timeout, or an error reply such as OOM, READONLY or NOPERM) is survived
@@ -33,14 +33,12 @@ from dataclasses import replace
 from typing import Callable, Optional
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from cluster.config import RedisConfig
 from cluster.policy import BUCKET_NAMES, CellKey, CellStats, TuningView, load_bucket, tuning_rows
-from cluster.tls import redis_client_kwargs
 from cluster.speculation import WORKLOAD_CLASSES, SpecStats
-from cluster.tuning_cells import (
+from cluster.state.redis_client import redis_client_from
+from cluster.state.tuning_cells import (
     FLOAT_FIELDS, MAX_FIELDS, MODES, MalformedCell, add_increments, cell_key, increments_from_stats, key_segment,
     parse_cell,
 )
@@ -88,11 +86,7 @@ class TuningStore:
         self._clock = clock
         # Off the request path, so a little more than the per-call budget; never any retry.
         timeout = io_timeout_s if io_timeout_s is not None else max(config.socket_timeout_s, 0.25)
-        self._redis = redis.Redis.from_url(
-            config.url, socket_timeout=timeout, socket_connect_timeout=timeout,
-            retry_on_timeout=False, retry=Retry(NoBackoff(), 0), health_check_interval=0,
-            **redis_client_kwargs(config.url, config.password_env, config.ca_file, config.certfile, config.keyfile),
-        )
+        self._redis = redis_client_from(config, timeout)
         self._rng = random.Random(rng_seed)
         self._records: collections.deque = collections.deque()
         self._buffer_size = buffer_size

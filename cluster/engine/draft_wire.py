@@ -1,6 +1,6 @@
 """The wire between a target engine's remote proposer and a drafter replica: one framed msgpack
 message per target step each way, over a TCP connection both ends authenticated with a shared
-secret (no Ray on the per-step path). What a message may carry: `cluster.draft_limits`.
+secret (no Ray on the per-step path). What a message may carry: `cluster.engine.draft_limits`.
 
 Connecting (the drafter speaks first; handshake frames are plain and at most 4 KiB)::
 

@@ -14,10 +14,10 @@ from typing import Any, Optional
 
 from cluster.config import ClusterConfig, RedisConfig, DrafterDeploymentConfig, PoolConfig
 
-# Registered through cluster.grpc_ingress so that undecodable bodies become INVALID_ARGUMENT.
+# Registered through cluster.api.grpc_ingress so that undecodable bodies become INVALID_ARGUMENT.
 GRPC_SERVICER_FUNCTIONS = [
-    "cluster.grpc_ingress.add_SpecServeServicer_to_server",
-    "cluster.grpc_ingress.add_HealthServicer_to_server",
+    "cluster.api.grpc_ingress.add_SpecServeServicer_to_server",
+    "cluster.api.grpc_ingress.add_HealthServicer_to_server",
 ]
 
 
@@ -57,7 +57,7 @@ def ray_attach_env(config: ClusterConfig, environ: dict) -> dict[str, str]:
     local default), since without it Ray dials the machine's routable address, where nothing listens.
 
     >>> from cluster.config import load_config
-    >>> local = load_config(str(Path(__file__).parent / "configs" / "local-cpu.yaml"))
+    >>> local = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "local-cpu.yaml"))
     >>> ray_attach_env(local, {})
     {'RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER': '0'}
     >>> ray_attach_env(local, {"RAY_ADDRESS": "10.0.0.5:6379"})
@@ -171,7 +171,7 @@ def platform_engine_kwargs(max_model_len: int, cpu_build: Optional[bool] = None)
 
 
 def cpu_engine_env() -> dict[str, str]:
-    """Environment the vLLM CPU build wants (FACTS: Intel OpenMP preloaded for speculative decoding).
+    """Environment the vLLM CPU build wants (Intel OpenMP preloaded, which speculative decoding needs here).
 
     Empty on a GPU install (package `vllm`), so the GPU path is the same code with other values.
     """
@@ -258,7 +258,7 @@ def drafter_deployment_options(name: str, d: DrafterDeploymentConfig,
 
 # Ray Serve's import path of specserve's autoscaling policy (a class; Ray instantiates it once
 # per deployment in the Serve controller with the JSON-able kwargs below).
-GOODPUT_POLICY_PATH = "cluster.autoscale_ray:GoodputPolicy"
+GOODPUT_POLICY_PATH = "cluster.autoscale.ray_policy:GoodputPolicy"
 
 
 def goodput_policy_options(name: str, pool: PoolConfig, redis: Optional[RedisConfig] = None) -> dict[str, Any]:

@@ -4,7 +4,7 @@ Ray's proxy decodes each request with the servicer's `request_deserializer` befo
 code runs; a body that is not valid protobuf (or has invalid UTF-8 in a string field) makes grpcio
 answer UNKNOWN. Registering through `tolerant(...)` swaps every deserializer for one that returns
 an `Undecodable` marker instead of raising; the router answers it with INVALID_ARGUMENT.
-`cluster.placement.GRPC_SERVICER_FUNCTIONS` names the functions below.
+`cluster.ops.placement.GRPC_SERVICER_FUNCTIONS` names the functions below.
 """
 
 from __future__ import annotations

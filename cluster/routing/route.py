@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
-from cluster.api import ApiError, ErrorCode
+from cluster.api.types import ApiError, ErrorCode
 from cluster.config import ClusterConfig, PoolConfig, RouterConfig
-from cluster.decision import Decision, PoolView
+from cluster.routing.decision import Decision, PoolView
 from cluster.policy import TuningView, choose_auto, k_cap_table
 from cluster.speculation import SpecMode
-from cluster.vllm_scheduler import k_cap_for_batch
+from cluster.engine.vllm_scheduler import k_cap_for_batch
 
 
 # What a response reports of its decision (`specserve.decision`, HTTP): the load bucket it was
@@ -41,7 +41,7 @@ def decision_summary(d: Decision) -> dict:
 
 def cap_at_admission(decision: Decision, table, batch: float) -> Decision:
     """`decision` with its K lowered to what its engine's per-step cap `table` allows at the batch
-    the request joins (the engine applies the same cap at every step, `cluster.vllm_scheduler`), so
+    the request joins (the engine applies the same cap at every step, `cluster.engine.vllm_scheduler`), so
     that the K the response reports, the K-chosen metric and the tuning counters of that K (the
     step time per K) are the K that ran. The policy's own K stays in `detail["k_uncapped"]`.
     (Otherwise a cap table that caps every K = 6 choice to 5 at batch 1 files their steps under
@@ -201,7 +201,7 @@ def _auto_pools(pools: list[PoolView]) -> list[PoolView]:
 def per_step_k(decision: Decision, pool: PoolConfig, class_alpha: float) -> Decision:
     """A policy decision on a pool that chooses K per step (`PoolConfig.step_k`) runs the pool's
     method up to its max_k, the engine choosing K at every step from the batch and the request's
-    acceptance, which starts at its class's α (`cluster.step_k`). Other decisions are unchanged:
+    acceptance, which starts at its class's α (`cluster.engine.step_k`). Other decisions are unchanged:
     a K the caller named stays fixed.
 
     >>> p = PoolConfig(model="m", method="ngram", max_k=6)
@@ -220,7 +220,7 @@ def per_step_k(decision: Decision, pool: PoolConfig, class_alpha: float) -> Deci
 
 
 def growth_rule(pool: PoolConfig, decision: Decision, k_grow: Optional[int] = None) -> Optional[tuple[int, int]]:
-    """(step, top) of the K growth a request gets inside its engine (`cluster.vllm_scheduler`), or
+    """(step, top) of the K growth a request gets inside its engine (`cluster.engine.vllm_scheduler`), or
     None for a fixed K. The request's own `speculative.k_grow` wins (0: none); otherwise a K the
     policy chose grows by the pool's `k_grow_step`, and a K the request named or the configured
     default stays fixed (a caller who names K gets that K). `top` is the pool's `k_grow_max`

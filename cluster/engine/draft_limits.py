@@ -1,4 +1,4 @@
-"""What a drafter call may carry (`cluster.draft_wire` for the messages): the limits a drafter
+"""What a drafter call may carry (`cluster.engine.draft_wire` for the messages): the limits a drafter
 announces when a target connects, and the pure checks of both directions.
 
 - `parse_request` (drafter side) turns a request into the arguments of `Drafter.propose`, or raises
@@ -7,7 +7,7 @@ announces when a target connects, and the pure checks of both directions.
 - `parse_reply` (target side) turns a reply into drafts per sequence, or raises BadFrame: a
   malformed reply is a failed call (no drafts that step), and every draft id is inside the
   vocabulary before it reaches vLLM.
-- The target keeps its requests inside the announced limits (`cluster.remote_proposer`); a request
+- The target keeps its requests inside the announced limits (`cluster.engine.remote_proposer`); a request
   outside them comes from a broken or hostile peer.
 """
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.api import ApiError, ErrorCode
+from cluster.api.types import ApiError, ErrorCode
 
 RETRY_AFTER_S = 1.0
 PROXY_MARGIN_S = 10.0  # Ray's proxy gives up this long after the router's deadline (`proxy_timeout_s`)

@@ -1,16 +1,16 @@
 """Kubernetes (KubeRay) manifests rendered from a cluster config: one source of truth.
 
 Contract: an overlay directory `k8s/overlays/<name>/` holds `render.yaml` (Kubernetes-only facts:
-image, node groups, pod sizes; `RenderSettings` in cluster/render_settings.py) naming a cluster
+image, node groups, pod sizes; `RenderSettings` in cluster/k8s/render_settings.py) naming a cluster
 config file (the same YAML `specserve up` reads). `render()` turns the two into the overlay's
 `generated.yaml`: a KubeRay RayService whose `serveConfigV2` embeds that cluster config for
 `deployments.app:build_app`, one PodDisruptionBudget per worker group, the headless gRPC Service
 and the Ray pods' NetworkPolicy.
-`main` also writes each overlay's `kustomize build` (cluster/kustomize.py) to k8s/rendered/, and
-refuses an overlay whose objects carry a literal secret (cluster/secret_scan.py): secrets reach pods
+`main` also writes each overlay's `kustomize build` (cluster/k8s/kustomize.py) to k8s/rendered/, and
+refuses an overlay whose objects carry a literal secret (cluster/k8s/secret_scan.py): secrets reach pods
 only by reference to a Kubernetes Secret.
 
-Decisions (what fits where, what a cluster config must say on Kubernetes: cluster/render_settings.py)
+Decisions (what fits where, what a cluster config must say on Kubernetes: cluster/k8s/render_settings.py)
 are pure functions over plain data with dense tests; only `main` reads and writes files.
 """
 
@@ -27,16 +27,16 @@ from urllib.parse import urlparse
 import yaml
 
 from cluster.config import ClusterConfig, ConfigError, parse_config
-from cluster.deadline import proxy_timeout_s
-from cluster.kustomize import build
-from cluster.placement import (
+from cluster.routing.deadline import proxy_timeout_s
+from cluster.k8s.kustomize import build
+from cluster.ops.placement import (
     GRPC_SERVICER_FUNCTIONS, drafter_deployment_options, engine_deployment_options, grpc_reflection,
     router_deployment_options, ray_node_env, used_drafters,
 )
-from cluster.render_settings import (  # noqa: F401  (the overlay settings and checks are part of this interface)
+from cluster.k8s.render_settings import (  # noqa: F401  (the overlay settings and checks are part of this interface)
     NodeGroup, RenderSettings, k8s_config_errors, load_settings, placement_errors,
 )
-from cluster.secret_scan import literal_secrets
+from cluster.k8s.secret_scan import literal_secrets
 
 IMPORT_PATH = "deployments.app:build_app"
 RUN_AS_UID = 1000  # the `specserve` user of k8s/docker/Dockerfile.{cpu,gpu}
@@ -67,7 +67,7 @@ def effective_config(raw: dict[str, Any], overrides: dict[str, Any], origin: str
 
 
 def _serve_options(opts: dict[str, Any]) -> Obj:
-    """Deployment options of cluster.placement as Serve config entries.
+    """Deployment options of cluster.ops.placement as Serve config entries.
 
     `ray_actor_options` stays with the builder: its runtime_env is computed inside the cluster
     (e.g. LD_PRELOAD of the image's venv), and a Serve config entry would replace it.
@@ -78,7 +78,7 @@ def _serve_options(opts: dict[str, Any]) -> Obj:
 def serve_config(raw: dict[str, Any], cfg: ClusterConfig, settings: RenderSettings) -> Obj:
     """Ray Serve config (serveConfigV2): one application built by deployments.app from `raw`.
 
-    Its per-deployment entries are the builder's own options (cluster.placement), so KubeRay's
+    Its per-deployment entries are the builder's own options (cluster.ops.placement), so KubeRay's
     view and `build_app`'s agree; only the shutdown grace is the overlay's.
     """
     deployments = [_serve_options(router_deployment_options(cfg))]
@@ -152,11 +152,11 @@ DRAFTER_SECRET_KEY = "secret"  # the key of settings.drafter_secret
 
 
 def drafter_secret_env(cfg: ClusterConfig, settings: RenderSettings) -> list[Obj]:
-    """With drafters: the drafter wire's shared secret (`cluster.draft_wire`) from its Secret, by
+    """With drafters: the drafter wire's shared secret (`cluster.engine.draft_wire`) from its Secret, by
     reference, in every Ray pod (drafter replicas and the engines that call them may land anywhere)."""
     if not used_drafters(cfg):
         return []
-    from cluster.draft_wire import SECRET_ENV
+    from cluster.engine.draft_wire import SECRET_ENV
 
     ref = {"name": settings.drafter_secret, "key": DRAFTER_SECRET_KEY}
     return [{"name": SECRET_ENV, "valueFrom": {"secretKeyRef": ref}}]
@@ -182,7 +182,7 @@ def _pod(settings: RenderSettings, cfg: ClusterConfig, group: NodeGroup, role: s
     env = [{"name": k, "value": v} for k, v in sorted(settings.env.items())]
     env += [
         {"name": "HOME", "value": "/tmp"},
-        # Ray starts workers (Serve replicas, so the engines) at nice 15 by default: see cluster/up.py.
+        # Ray starts workers (Serve replicas, so the engines) at nice 15 by default: see cluster/ops/up.py.
         {"name": "RAY_worker_niceness", "value": "0"},
         *({"name": k, "value": v} for k, v in sorted(ray_node_env(cfg).items())),  # e.g. the gRPC message-size bound
         {"name": "SPECSERVE_REDIS_PASSWORD",
@@ -390,7 +390,7 @@ def render(overlay_dir: Path, config_path: Optional[Path] = None) -> tuple[str, 
     raw, cfg = effective_config(raw, settings.config_overrides, origin=str(path))
     objs = generated_objects(raw, cfg, settings)
     errors = k8s_config_errors(cfg) + placement_errors(cfg, settings) + literal_secrets(objs)
-    header = (f"# GENERATED by `specserve k8s render` (cluster/render.py) from {overlay_dir.name}/render.yaml\n"
+    header = (f"# GENERATED by `specserve k8s render` (cluster/k8s/render.py) from {overlay_dir.name}/render.yaml\n"
               f"# and the cluster config {settings.cluster_config}. Do not edit: edit those and re-render.\n")
     return dump(objs, header), errors
 

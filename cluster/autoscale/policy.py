@@ -270,7 +270,7 @@ def effective_replicas(record: Optional[Mapping[str, Any]], configured: int, now
 
 def with_capacity(views: list, records: Mapping[str, Mapping[str, Any]], now_unix_s: float,
                   max_age_s: float = 30.0) -> list:
-    """`views` (cluster.routing.PoolView) with `replicas` from the autoscaler's records by pool name."""
+    """`views` (cluster.routing.route.PoolView) with `replicas` from the autoscaler's records by pool name."""
     return [replace(v, replicas=effective_replicas(records.get(v.name), v.replicas, now_unix_s, max_age_s))
             for v in views]
 

@@ -1,7 +1,7 @@
 """Wire formats of the two front doors: OpenAI-compatible JSON and specserve.v1 protobuf.
 
 Both are built from one internal result (`Completion`) so that the HTTP and gRPC answers carry
-the same fields; both parse into `cluster.api.GenerateRequest` (validation lives there).
+the same fields; both parse into `cluster.api.types.GenerateRequest` (validation lives there).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from cluster.api import ApiError, ErrorCode, GenerateRequest, parse_request
+from cluster.api.types import ApiError, ErrorCode, GenerateRequest, parse_request
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Evaluation of the workload classifier on Spec-Bench: its categories mapped to our classes, accuracy per
-category and copy group, and per-call latency; ``python -m cluster.classifier_eval DATASET.jsonl`` prints it."""
+category and copy group, and per-call latency; ``python -m cluster.routing.classifier_eval DATASET.jsonl`` prints it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 from collections import Counter, defaultdict
 from typing import Iterable, Optional
 
-from cluster.classifier import classify
+from cluster.routing.classifier import classify
 from cluster.percentile import percentile
 
 # Spec-Bench category -> our class, with why.
@@ -111,7 +111,7 @@ def format_report(report: dict) -> str:
 def main(argv: Optional[Iterable[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        print("usage: python -m cluster.classifier_eval DATASET.jsonl", file=sys.stderr)
+        print("usage: python -m cluster.routing.classifier_eval DATASET.jsonl", file=sys.stderr)
         return 2
     print(format_report(evaluate(args[0])))
     return 0

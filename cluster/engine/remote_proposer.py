@@ -3,7 +3,7 @@ deployment (`deployments/drafter.py`) for the whole running batch's drafts once 
 
 It runs inside vLLM's engine-core process, on the step's critical path, so:
 
-- one TCP round trip per step (`cluster.draft_wire`), no Ray on that path; the engine replica finds
+- one TCP round trip per step (`cluster.engine.draft_wire`), no Ray on that path; the engine replica finds
   the drafter through a Serve handle and hands its address in (`RemoteDraftWorkerExtension`);
 - each sequence sends only its tokens since the last successful call (the drafter keeps state);
 - a request whose K is 0 is not sent (its K comes from its SamplingParams, as in the scheduler);
@@ -26,15 +26,15 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from cluster.draft_limits import BadFrame, WireLimits, parse_reply
-from cluster.draft_wire import BodyError, Channel, WireError, client_handshake, secret_from_env
+from cluster.engine.draft_limits import BadFrame, WireLimits, parse_reply
+from cluster.engine.draft_wire import BodyError, Channel, WireError, client_handshake, secret_from_env
 from cluster.percentile import percentile
-from cluster.vllm_scheduler import ADDITIONAL_CONFIG_KEY, cap_table_from, effective_k, requested_k
+from cluster.engine.vllm_scheduler import ADDITIONAL_CONFIG_KEY, cap_table_from, effective_k, requested_k
 
 log = logging.getLogger("specserve.remote_proposer")
 
-PROPOSER_CLS_PATH = "cluster.remote_proposer.RemoteDraftProposer"
-WORKER_EXTENSION_PATH = "cluster.remote_proposer.RemoteDraftWorkerExtension"
+PROPOSER_CLS_PATH = "cluster.engine.remote_proposer.RemoteDraftProposer"
+WORKER_EXTENSION_PATH = "cluster.engine.remote_proposer.RemoteDraftWorkerExtension"
 REMOTE_CONFIG_KEY = "remote_drafter"  # under additional_config[ADDITIONAL_CONFIG_KEY]
 FRAME_HEADROOM = 1024  # a request's bytes besides its sequences and evictions (client id, keys, tag)
 MAX_REPLY_BYTES = 1 << 20  # a reply is drafts: at most max_seqs x max_k ids (4 MiB would be 500 000 ids)
@@ -85,7 +85,7 @@ class CircuitBreaker:
 
 
 class TcpDraftClient:
-    """One persistent, authenticated connection to one drafter replica (`cluster.draft_wire`); any
+    """One persistent, authenticated connection to one drafter replica (`cluster.engine.draft_wire`); any
     error closes it (reconnect next call). Every method is bounded by the caller's deadline."""
 
     def __init__(self, endpoint: str, secret: bytes, max_reply_bytes: int = MAX_REPLY_BYTES):

@@ -1,9 +1,9 @@
-"""Ray Serve and Redis around `cluster.autoscale`: the custom autoscaling policy that runs in the
+"""Ray Serve and Redis around `cluster.autoscale.policy`: the custom autoscaling policy that runs in the
 Serve controller, and the Redis record of its decisions that the router and `specserve status` read.
 
 Contract: `GoodputPolicy(ctx) -> (replicas, policy_state)` is Ray Serve 2.60's class-callable policy
 (`AutoscalingConfig.policy`, instantiated once per deployment with JSON-able kwargs); it turns Ray's
-`AutoscalingContext` into a `PoolSnapshot`, asks `cluster.autoscale.decide`, and hands the verdict to
+`AutoscalingContext` into a `PoolSnapshot`, asks `cluster.autoscale.policy.decide`, and hands the verdict to
 a publisher thread. Nothing here blocks the controller's loop on Redis: the tuning state is read by
 a `TuningStore` thread and records are written by a thread of their own, with short timeouts and no
 retries; with Redis down the policy decides on the config's carry and publishes nothing (fail open).
@@ -66,7 +66,7 @@ def parse_record(raw: Any) -> dict:
     MalformedRecord. Accepted: at most MAX_RECORD_BYTES of JSON, an object nested at most
     MAX_RECORD_DEPTH deep, every number finite (no NaN, Infinity or 1e999), and the fields the
     router reads well-typed: `target` a whole number within 0..MAX_REPLICAS, `time_unix_s` a number."""
-    from cluster.autoscale import MAX_REPLICAS
+    from cluster.autoscale.policy import MAX_REPLICAS
 
     if not isinstance(raw, (bytes, str)):
         raise MalformedRecord(f"a {type(raw).__name__}, not a string")
@@ -91,22 +91,14 @@ def parse_record(raw: Any) -> dict:
 
 
 def _redis_client(redis_cfg: Mapping[str, Any], timeout_s: float):
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
+    from cluster.state.redis_client import redis_client_from
 
-    from cluster.tls import redis_client_kwargs
-
-    return redis.Redis.from_url(
-        redis_cfg["url"], socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False,
-        retry=Retry(NoBackoff(), 0), health_check_interval=0,
-        **redis_client_kwargs(redis_cfg["url"], redis_cfg.get("password_env"), redis_cfg.get("ca_file"),
-                              redis_cfg.get("certfile"), redis_cfg.get("keyfile")))
+    return redis_client_from(redis_cfg, timeout_s)
 
 
 def snapshot_from_context(ctx: Any, plain_step_s: tuple = ()) -> "Any":
     """Ray's AutoscalingContext -> PoolSnapshot (per-replica custom metrics as averaged by Ray)."""
-    from cluster.autoscale import PoolSnapshot, ReplicaMetrics
+    from cluster.autoscale.policy import PoolSnapshot, ReplicaMetrics
 
     agg = ctx.aggregated_metrics or {}
     ids = {rid for m in CUSTOM_METRICS for rid in agg.get(m, {})}
@@ -180,7 +172,7 @@ class GoodputPolicy:
         self.tuning = self.publisher = None
         self.last_change: Optional[dict] = None
         if redis is not None:
-            from cluster.tuning import TuningStore
+            from cluster.state.tuning import TuningStore
 
             rc = RedisConfig.model_validate(redis)
             self.tuning = TuningStore(rc, models=(model,), refresh_interval_s=5.0, flush_interval_s=60.0)
@@ -191,7 +183,7 @@ class GoodputPolicy:
         log.info("pool %s: goodput autoscaling policy, %s", pool, self.cfg.model_dump())
 
     def __call__(self, ctx: Any) -> tuple[int, dict]:
-        from cluster.autoscale import PolicyState, decide, plain_step_points
+        from cluster.autoscale.policy import PolicyState, decide, plain_step_points
 
         plain = plain_step_points(self.tuning.snapshot(self.model)) if self.tuning is not None else ()
         snap = snapshot_from_context(ctx, plain)
@@ -210,7 +202,7 @@ class GoodputPolicy:
 class AutoscaleRecords:
     """The router's (and status's) reader of the autoscaler's records: one MGET per second from a
     thread; `records()` never touches Redis. Unreachable Redis: the last records age out and the
-    router falls back to its static view (`cluster.autoscale.effective_replicas`). A record that
+    router falls back to its static view (`cluster.autoscale.policy.effective_replicas`). A record that
     `parse_record` refuses is left out (warning, `counters`, `on_malformed` hook with the pool)."""
 
     def __init__(self, redis_cfg: Mapping[str, Any], pools: list[str], interval_s: float = 1.0, start: bool = True,

@@ -1,4 +1,4 @@
-"""`specserve` command line: up (start a cluster; its lifecycle is `cluster.up`), generate (a client), status,
+"""`specserve` command line: up (start a cluster; its lifecycle is `cluster.ops.up`), generate (a client), status,
 and the tools.
 
 Each subcommand is a small function; the work is done by the modules it calls.
@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from cluster.up import cmd_up
+from cluster.ops.up import cmd_up
 
-DEFAULT_CONFIG = str(Path(__file__).parent / "configs" / "local-cpu.yaml")
+DEFAULT_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "local-cpu.yaml")
 DEFAULT_URL = os.environ.get("SPECSERVE_URL", "http://127.0.0.1:8000")
 
 
@@ -83,7 +83,7 @@ def _serve_applications(config_path: str, timeout_s: float) -> dict:
     """{"applications": Serve's status per application and deployment} from the running cluster's Ray,
     or {"ray": why not}, within `timeout_s` (Ray's own attach retries for minutes)."""
     from cluster.config import load_config
-    from cluster.placement import ray_attach_env
+    from cluster.ops.placement import ray_attach_env
 
     os.environ.update(ray_attach_env(load_config(config_path), os.environ))  # before `import ray`
     result: dict = {"ray": f"not reachable within {timeout_s:g} s"}
@@ -93,7 +93,7 @@ def _serve_applications(config_path: str, timeout_s: float) -> dict:
             import ray
             from ray import serve
 
-            from cluster.placement import driver_log_levels, ray_attach_kwargs
+            from cluster.ops.placement import driver_log_levels, ray_attach_kwargs
 
             for name, level in driver_log_levels(verbose=False).items():  # the JSON is the whole output
                 logging.getLogger(name).setLevel(level)
@@ -150,9 +150,9 @@ def _autoscale_and_tuning(config_path: str):
     """(config, autoscaler records by pool, tuning rows) read from the config's Redis (empty if down)."""
     import redis
 
-    from cluster.autoscale_ray import AutoscaleRecords
+    from cluster.autoscale.ray_policy import AutoscaleRecords
     from cluster.config import load_config
-    from cluster.tuning import TuningStore
+    from cluster.state.tuning import TuningStore
 
     cfg = load_config(config_path)
     records, rows = {}, []
@@ -176,12 +176,10 @@ def _redis_reachability(config_path: str) -> dict:
 
     from cluster.config import load_config
 
-    cfg = load_config(config_path)
-    from cluster.tls import redis_client_kwargs
+    from cluster.state.redis_client import redis_client_from
 
-    r = cfg.redis
-    client = redis.Redis.from_url(r.url, socket_timeout=0.5, socket_connect_timeout=0.5,
-                                  **redis_client_kwargs(r.url, r.password_env, r.ca_file, r.certfile, r.keyfile))
+    cfg = load_config(config_path)
+    client = redis_client_from(cfg.redis, timeout_s=0.5)
     try:
         t0 = time.perf_counter()
         client.ping()
@@ -195,7 +193,7 @@ def _redis_reachability(config_path: str) -> dict:
 def cmd_tuning(args) -> int:
     """Print the tuning table (per model, mode, workload class, load bucket) from Redis."""
     from cluster.config import load_config
-    from cluster.tuning import TuningStore
+    from cluster.state.tuning import TuningStore
 
     cfg = load_config(args.config)
     models = [args.model] if args.model else cfg.served_models()
@@ -237,7 +235,7 @@ def _print_tsv(cols: list[str], rows: list[dict]) -> None:
 
 def _print_explain(cfg, store, models, args, reachable: bool) -> int:
     """`specserve tuning --explain`: the router's choice per class and batch from the state just read."""
-    from cluster.routing import explain_choices, pool_views
+    from cluster.routing.route import explain_choices, pool_views
     from cluster.speculation import WORKLOAD_CLASSES
 
     try:
@@ -263,7 +261,7 @@ def _print_explain(cfg, store, models, args, reachable: bool) -> int:
 
 def cmd_prepare(args) -> int:
     from cluster.config import load_config
-    from cluster.models import prepare_all
+    from cluster.ops.models import prepare_all
 
     print(json.dumps(prepare_all(load_config(args.config)), indent=2))
     return 0
@@ -282,7 +280,7 @@ def cmd_check_config(args) -> int:
 
 
 def cmd_k8s(args) -> int:
-    from cluster.render import main as render_main
+    from cluster.k8s.render import main as render_main
 
     return render_main(args.render_args)
 
@@ -349,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     k = sub.add_parser("k8s", help="Kubernetes tools: `specserve k8s render [--overlay NAME] [--check]`")
     k.add_argument("action", choices=["render"])
-    k.add_argument("render_args", nargs=argparse.REMAINDER, help="arguments of cluster/render.py")
+    k.add_argument("render_args", nargs=argparse.REMAINDER, help="arguments of cluster/k8s/render.py")
     k.set_defaults(func=cmd_k8s)
     return p
 

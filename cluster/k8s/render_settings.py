@@ -1,6 +1,6 @@
 """An overlay's Kubernetes-only settings (`k8s/overlays/<name>/render.yaml`: image, node groups, pod
 sizes) and whether a cluster config can run on them: what it must say on Kubernetes, and whether its
-pools' placement-group bundles fit the node groups. Pure functions over plain data; cluster/render.py
+pools' placement-group bundles fit the node groups. Pure functions over plain data; cluster/k8s/render.py
 turns a config that passes into manifests.
 """
 
@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cluster.config import ClusterConfig, ConfigError
-from cluster.placement import used_drafters
+from cluster.ops.placement import used_drafters
 
 # -- settings of one overlay (render.yaml) ------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 Contract: `choose_step_ks(requests, cost)` returns each request's K for the next step from the
 batch as it is now; `StepCost` learns the engine's step time from its own steps; `next_acceptance`
 moves one request's acceptance after a step. Pure functions over plain data (no vLLM, no clock):
-`cluster.vllm_scheduler` wires them into vLLM. Words are those of `cluster.speculation`, plus:
+`cluster.engine.vllm_scheduler` wires them into vLLM. Words are those of `cluster.speculation`, plus:
 
 - **step time** T(B, D, s) = a + c·B + b·D + f·s seconds: B requests in the step, D draft tokens
   it verifies (sum of K_i), s = 1 when any request drafts. a is the fixed cost of a step, c the

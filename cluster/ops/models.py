@@ -10,7 +10,7 @@ Sources (see `ModelConfig.source`):
 - `shipped:<model>:<dir>`: a distilled drafter shipped in this package (`<dir>` relative to the
   `cluster` package, e.g. `data/drafters/smollm2-135m-eagle`): only its own tensors are stored;
   the ones it shares with target `<model>` are taken from that model's prepared directory
-  (`cluster.distill.ship.assemble`, which refuses a different target).
+  (`cluster.ops.shipped_drafter.assemble`, which refuses a different target).
 - a local directory: used as it is.
 - anything else: a hub id, passed to vLLM as it is (it downloads where the network allows).
 
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 GGUF_PREFIX = "gguf-package:"
 TRUNCATE_PREFIX = "truncate:"
 SHIPPED_PREFIX = "shipped:"
-PACKAGE_ROOT = Path(__file__).resolve().parent  # the `cluster` package
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the `cluster` package
 _DONE = ".specserve-prepared"
 
 
@@ -136,7 +136,7 @@ def prepare_truncated(base_dir: Path, num_layers: int) -> Path:
 
 def prepare_shipped(rel: str, target_dir: Path) -> Path:
     """A drafter shipped under the `cluster` package, completed with its target's shared tensors (cached)."""
-    from cluster.distill.ship import assemble
+    from cluster.ops.shipped_drafter import assemble
 
     ship_dir = PACKAGE_ROOT / rel
     if not (ship_dir / "drafter.json").is_file():

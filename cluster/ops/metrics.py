@@ -3,7 +3,7 @@ agent on `ray.metrics_export_port`, scraped like the rest of Ray Serve's metrics
 
 Per workload class and mode: requests, drafted and accepted tokens, acceptance length, chosen K,
 and decisions made on defaults because the tuning state was unavailable; failed Redis calls of the
-tuning state, finished requests kept out of it by reason (`cluster/teaching.py`), and failures of
+tuning state, finished requests kept out of it by reason (`cluster/policy/teaching.py`), and failures of
 the router's background work and of GetTuning. No prompt or completion
 text, and no caller-chosen name, ever reaches a label.
 """
@@ -44,7 +44,7 @@ class RouterMetrics:
         self.tuning_excluded_requests = Counter(
             "specserve_tuning_excluded",
             "Finished requests kept out of the tuning state, by reason (caller_mode, caller_class, ignore_eos, "
-            "temperature, client_budget: cluster/teaching.py).", tag_keys=("reason",))
+            "temperature, client_budget: cluster/policy/teaching.py).", tag_keys=("reason",))
         self.failures = Counter(
             "specserve_router_failures",
             "Failures off the request path, by what failed (load_poll, get_tuning, autoscale_record) and error type.",

@@ -331,10 +331,14 @@ class DrafterServer:
         if not self.server.alive():
             raise RuntimeError(f"drafter {self.name}: TCP endpoint {self.server.address} is down")
 
-    def __del__(self):
+    def shutdown(self) -> None:
+        """Close the TCP endpoint (its listener and every connection). Idempotent."""
         server = getattr(self, "server", None)
         if server is not None:
             server.close()
+
+    def __del__(self):  # Ray Serve's hook when it stops a replica
+        self.shutdown()
 
 
 def _node_ip() -> str:

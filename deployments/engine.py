@@ -409,15 +409,26 @@ class EngineServer:
                                f"{self.pool.health_probe_timeout_s:.0f} s (stalled)") from None
         self._last_probe_ok = time.monotonic()
 
-    def __del__(self):
+    def shutdown(self) -> None:
+        """Stop serving, once: later calls fail with `EngineDead` ("shutting down", which does not
+        retire the process), the drafter watch stops and the engine shuts down. Idempotent."""
+        if getattr(self, "_shut", False):
+            return
+        self._shut = True
         if getattr(self, "_dead", "") is None:  # a stopped engine is not a dead one: nothing to retire
             self._dead = "the replica is shutting down"
+        watch = getattr(self, "_drafter_watch", None)
+        if watch is not None and not watch.done():
+            watch.cancel()
         engine = getattr(self, "engine", None)
         if engine is not None and hasattr(engine, "shutdown"):
             try:
                 engine.shutdown()
-            except Exception:  # noqa: BLE001 - best effort at interpreter exit
-                pass
+            except Exception:  # noqa: BLE001 - best effort: the process is going away
+                log.warning("pool %s: engine shutdown failed", getattr(self, "pool_name", "?"), exc_info=True)
+
+    def __del__(self):  # Ray Serve's hook when it stops a replica
+        self.shutdown()
 
 
 async def collect(stream: AsyncIterator[EngineChunk]) -> EngineChunk:

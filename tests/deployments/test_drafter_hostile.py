@@ -302,3 +302,26 @@ def test_accept_failing_with_emfile_does_not_end_the_listener():
     finally:
         child.kill()
         child.wait(10)
+
+
+def test_the_replica_shutdown_closes_its_endpoint_once(hf_model):
+    """`DrafterServer.shutdown` (what Ray Serve's `__del__` hook calls) drops the listener and every
+    connection; a second call is harmless."""
+    from deployments.drafter import DrafterServer
+
+    replica = DrafterServer("d", "unused", model=DraftModel(hf_model), host="127.0.0.1", secret=SECRET,
+                            max_context=64, max_k=4)
+    host, port = replica.server.address.rsplit(":", 1)
+    held = socket.create_connection((host, int(port)), timeout=5)
+    replica.shutdown()
+    held.settimeout(5)  # the held connection is dropped, not left open: past the server's greeting,
+    try:                # end of stream or a reset (an open one times out here)
+        while held.recv(4096):
+            pass
+    except ConnectionResetError:
+        pass
+    held.close()
+    with pytest.raises(OSError):
+        socket.create_connection((host, int(port)), timeout=2).close()
+    replica.shutdown()
+    replica.__del__()

@@ -140,12 +140,17 @@ def test_other_engine_errors_are_not_death():
 
 def test_a_replica_shutting_down_does_not_retire():
     engine = DyingEngine()
-    engine.shutdown = lambda: setattr(engine, "errored", True)  # AsyncLLM.shutdown marks the engine dead
+    shutdowns = []
+    engine.shutdown = lambda: (shutdowns.append(1), setattr(engine, "errored", True))  # AsyncLLM marks it dead
     s, retired = replica(engine)
-    s.__del__()
+    s.shutdown()
     with pytest.raises(EngineDead, match="shutting down"):
         asyncio.run(s.check_health())
-    assert retired == []
+    _, err = drain(s)
+    assert isinstance(err, EngineDead) and "shutting down" in str(err)
+    s.shutdown()
+    s.__del__()  # Ray Serve's hook: the same shutdown, once
+    assert retired == [] and shutdowns == [1]
 
 
 def test_engine_died():

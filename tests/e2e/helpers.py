@@ -39,18 +39,3 @@ async def chat_all(url: str, prompts: list[dict], spec: dict | None, max_tokens:
             async with sem:
                 return await chat(client, url, p["text"], max_tokens, spec, **extra)
         return await asyncio.gather(*[one(p) for p in prompts])
-
-
-def crowded_share(intervals: list[tuple[float, float]], bound: int) -> list[float]:
-    """For each (start, end), the share of it during which more than `bound` of the intervals ran.
-
-    >>> crowded_share([(0, 4), (0, 2), (1, 4)], 2)
-    [0.25, 0.5, 0.3333333333333333]
-    """
-    edges = sorted({t for iv in intervals for t in iv})
-    shares = []
-    for s, e in intervals:
-        crowded = sum(b - a for a, b in zip(edges, edges[1:])
-                      if s <= a and b <= e and sum(1 for s2, e2 in intervals if s2 <= a and b <= e2) > bound)
-        shares.append(crowded / (e - s) if e > s else 0.0)
-    return shares

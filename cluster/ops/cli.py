@@ -86,7 +86,7 @@ def _serve_applications(config_path: str, timeout_s: float) -> dict:
     from cluster.ops.placement import ray_attach_env
 
     os.environ.update(ray_attach_env(load_config(config_path), os.environ))  # before `import ray`
-    result: dict = {"ray": f"not reachable within {timeout_s:g} s"}
+    answer: list[dict] = []  # the attach thread's one result, appended whole
 
     def attach() -> None:
         try:
@@ -106,16 +106,14 @@ def _serve_applications(config_path: str, timeout_s: float) -> dict:
                                        for d, ds in app.deployments.items()}}
                 for name, app in st.applications.items()
             }
-            result.clear()
-            result["applications"] = apps
+            answer.append({"applications": apps})
         except Exception as e:  # noqa: BLE001 - status is best effort; report what failed
-            result.clear()
-            result["ray"] = f"not reachable: {type(e).__name__}: {e}"
+            answer.append({"ray": f"not reachable: {type(e).__name__}: {e}"})
 
     t = threading.Thread(target=attach, name="ray-attach", daemon=True)
     t.start()
     t.join(timeout_s)
-    return dict(result)
+    return answer[0] if answer else {"ray": f"not reachable within {timeout_s:g} s"}
 
 
 def pool_status(cfg, router: dict, records: dict, tuning_rows: list[dict], now_unix_s: float) -> dict:

@@ -245,29 +245,50 @@ def _descends_from(pid: int, ancestor: int) -> bool:
 
 
 def test_under_load_streamed_tokens_come_in_chunks_that_follow_the_batch(cluster):
-    """`stream_chunks_per_step` (4 in the embedded config): 12 plain streams in one engine get
-    their tokens a few at a time (the first alone, at once), the same tokens a lone
-    non-streamed request gets; one stream alone gets one chunk per engine output."""
+    """`stream_chunks_per_step` (4 in the embedded config): streams running beside 12 other requests
+    in one engine get their tokens a few at a time (the first alone, at once), the same tokens a lone
+    non-streamed request gets; one stream alone gets one chunk per engine output.
+
+    The batch is held by plain non-streamed requests (200 tokens, ignore_eos) started first, as in
+    the batch-bound test: streams sent at once do not reliably run together."""
     from cluster.client import AsyncSpecServeClient, collect_stream
 
     kwargs = dict(prompt="Write a long story about a lighthouse keeper.", max_tokens=48, temperature=0.0,
                   speculative={"mode": "none"}, extra={"ignore_eos": True})
+    held = 12
 
     async def run():
-        async with AsyncSpecServeClient(cluster.http_url) as client:
+        async with AsyncSpecServeClient(cluster.http_url) as client, httpx.AsyncClient() as plain:
             async def streamed():
                 t = time.perf_counter()
                 return collect_stream([c async for c in client.generate_stream(**kwargs)], t)
+
+            async def filler():
+                await client.generate(**{**kwargs, "prompt": "Write a long story about the sea.", "max_tokens": 200})
+                return time.monotonic()
+
+            async def unfinished() -> int:
+                status = (await plain.get(f"{cluster.http_url}/v1/specserve/status", timeout=30)).json()
+                return int(status["pools"]["ngram"]["engine"]["unfinished"])
+
             whole = await client.generate(**kwargs)
             alone = await streamed()
-            crowd = await asyncio.gather(*(streamed() for _ in range(12)))
-            return whole, alone, crowd
+            fillers = [asyncio.ensure_future(filler()) for _ in range(held)]
+            deadline = time.monotonic() + 60
+            while await unfinished() < held:
+                assert time.monotonic() < deadline, "the plain requests never filled the engine"
+                await asyncio.sleep(0.05)
+            crowd = await asyncio.gather(*(streamed() for _ in range(4)))
+            crowd_end = time.monotonic()
+            return whole, alone, crowd, crowd_end, await asyncio.gather(*fillers)
 
-    whole, alone, crowd = asyncio.run(run())
+    whole, alone, crowd, crowd_end, filler_ends = asyncio.run(run())
     assert len(whole.token_ids) == 48
     assert alone.token_ids == whole.token_ids and alone.chunk_tokens == [1] * 48
+    assert crowd_end < min(filler_ends), "the held batch ended before the streams did"
     assert all(r.token_ids == whole.token_ids for r in crowd), "streamed tokens differ from the unary request's"
     assert all(r.chunk_tokens[0] == 1 for r in crowd), [r.chunk_tokens[:3] for r in crowd]
     chunk_counts = [len(r.chunk_tokens) for r in crowd]
-    assert sum(chunk_counts) < 0.6 * 12 * 48, chunk_counts  # ~ceil(12 / 4) = 3 tokens a chunk
+    # 13-16 running: ceil(b / 4) = 4 tokens a chunk (vLLM may merge outputs the replica reads late).
+    assert sum(chunk_counts) < 0.5 * len(crowd) * 48, chunk_counts
     assert max(max(r.chunk_tokens) for r in crowd) <= 16

@@ -265,10 +265,12 @@ CODE = "Write a Python function that reverses a list."
 
 
 def _class_cells(stub, wclass: str) -> dict[tuple[str, str], tuple[int, float]]:
-    """GetTuning's cells of `wclass`: (mode, load bucket) -> (samples, acceptance length)."""
+    """GetTuning's cells of `wclass` that hold measurements: (mode, load bucket) -> (samples,
+    acceptance length). A cell with no samples carries only the router's incumbent K, which any
+    routed request may set (the policy's own choice, not the caller's data)."""
     out = stub.GetTuning(pb.GetTuningRequest(model=MODEL), timeout=30)
     return {(e.mode, e.load_bucket): (e.samples, round(e.acceptance_length, 4)) for e in out.entries
-            if e.workload_class == wclass}
+            if e.workload_class == wclass and e.samples > 0}
 
 
 def _hostile(url: str, body: dict) -> None:

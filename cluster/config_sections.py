@@ -17,6 +17,20 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
+RAY_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+
+
+def _custom_resources(v: dict[str, float], where: str) -> dict[str, float]:
+    for res, amount in v.items():
+        if res in RAY_BUILTIN_RESOURCES or res.startswith("node:"):
+            raise ValueError(f"{where}: {res!r} is Ray's own resource; name a custom one (e.g. specserve_target)")
+        if not res or len(res) > 64 or not all(c.isalnum() or c in "_-" for c in res):
+            raise ValueError(f"{where}: resource name {res[:64]!r} must be 1-64 letters, digits, '_' or '-'")
+        if not 0 < amount <= 1e6:
+            raise ValueError(f"{where}: resource {res!r} must be within (0, 1e6], got {amount}")
+    return v
+
+
 class TeachingConfig(Strict):
     """What traffic teaches the tuner (`cluster/policy/teaching.py`; docs/security.md)."""
 
@@ -52,6 +66,16 @@ class RouterConfig(Strict):
         description="Safe default K per mode when the router has no tuning state.",
     )
     replicas: int = Field(1, ge=1, description="Router (ingress) replicas.")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description=(
+            "Custom Ray resources of one router replica, so it lands on the nodes that advertise them (e.g. "
+            "{specserve_head: 0.01} with ray.head_resources {specserve_head: 1}). Empty: any node."))
+
+    @field_validator("resources")
+    @classmethod
+    def _resources(cls, v: dict[str, float]) -> dict[str, float]:
+        return _custom_resources(v, "resources")
+
     max_ongoing_requests: int = Field(256, ge=1, description="Requests one router replica admits at once.")
     max_queued_requests: int = Field(
         512, ge=-1, description="Requests queued at the proxies for the router before they answer 503 (-1: no bound)."
@@ -217,6 +241,24 @@ class ApiConfig(Strict):
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Size limits of requests at both doors.")
 
 
+class LocalNodeConfig(Strict):
+    """One worker node of a local multi-node Ray cluster: a `ray start` process tree of its own on this
+    machine (raylet, object store, workers), joined to the head that `specserve up` starts."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,31}$", description="Node name (Ray's node_name; `specserve status`).")
+    num_cpus: int = Field(1, ge=0, le=1024, description="Logical CPUs the node advertises.")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description=(
+            "Custom resources the node advertises, which pool bundles, drafters and the router name to land "
+            "on it (the names the GPU config's node groups advertise: specserve_target, specserve_drafter, specserve_mtp)."))
+    object_store_mb: int = Field(128, ge=80, le=1 << 20, description="The node's object store (MiB).")
+
+    @field_validator("resources")
+    @classmethod
+    def _res(cls, v: dict[str, float]) -> dict[str, float]:
+        return _custom_resources(v, "resources")
+
+
 class RayConfig(Strict):
     address: Optional[str] = Field(
         None, description="Ray cluster to join ('auto', 'ray://...'); None starts a local one."
@@ -233,8 +275,31 @@ class RayConfig(Strict):
             "Serve replicas unpickle what reaches them, unauthenticated). Loopback keeps all of it off the network; "
             "the API is served on api.host either way. None: Ray picks this machine's address (other machines may "
             "then join, and reach it)."))
+    head_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom resources the head of a local cluster advertises (e.g. for the router).")
+    nodes: list[LocalNodeConfig] = Field(
+        default_factory=list, description=(
+            "Worker nodes of a local cluster, each a separate `ray start` process tree on this machine with its "
+            "own resources (cluster/ops/local_nodes.py): the multi-node path on one machine. Empty: one node."))
     pin_serving_cpus: bool = Field(
         False, description=(
             "A local cluster on vLLM's CPU backend: keep the serving processes (proxies, router, replicas' front "
             "ends, engine-core schedulers, Ray's daemons) on the cores vLLM leaves free of its model workers, so they "
             "do not preempt a worker on its core (cluster/ops/cpu_pinning.py). No effect on GPU engines or a joined cluster."))
+
+    @field_validator("head_resources")
+    @classmethod
+    def _head_resources(cls, v: dict[str, float]) -> dict[str, float]:
+        return _custom_resources(v, "head_resources")
+
+    @model_validator(mode="after")
+    def _local_nodes(self) -> "RayConfig":
+        if self.nodes and self.address:
+            raise ValueError("nodes: local worker nodes are started only for a local cluster (ray.address unset)")
+        if self.head_resources and self.address:
+            raise ValueError("head_resources: only for a local cluster (ray.address unset)")
+        names = [n.name for n in self.nodes]
+        dup = sorted({n for n in names if names.count(n) > 1} | ({"head"} & set(names)))
+        if dup:
+            raise ValueError(f"nodes: names must be unique and not 'head': {dup}")
+        return self

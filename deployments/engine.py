@@ -24,6 +24,23 @@ from deployments.engine_death import EngineDead, engine_died, retire_process
 
 log = logging.getLogger("specserve.engine")
 
+# How often the drafter watch asks a healthy proposer for its status. Each ask is an RPC into the
+# engine's model worker, after which vLLM's worker busy-polls its message queue for a second
+# (shm_broadcast's SpinCondition): asked every second, an idle worker never left that loop and took
+# ~90% of its core from whatever shares it.
+DRAFTER_HEALTHY_CHECK_S = 30.0
+
+
+def drafter_watch_interval_s(healthy: bool, reprobe_s: float) -> float:
+    """Seconds until the drafter watch looks again: `remote_reprobe_s` while the proposer has no
+    drafter or its breaker is open, DRAFTER_HEALTHY_CHECK_S (or reprobe_s, if longer) while it drafts.
+
+    >>> drafter_watch_interval_s(False, 2.0), drafter_watch_interval_s(True, 2.0), drafter_watch_interval_s(True, 60.0)
+    (2.0, 30.0, 60.0)
+    """
+    return max(reprobe_s, DRAFTER_HEALTHY_CHECK_S) if healthy else reprobe_s
+
+
 # A call into the engine's workers (`collective_rpc`: pointing the remote proposer at a drafter,
 # reading its counters) waits at most this long; it runs between engine steps, so a stuck engine
 # core would otherwise hold every caller (the router's load poll asks four times a second).
@@ -349,9 +366,11 @@ class EngineServer:
         none, or its breaker is open, ask the drafter deployment (any replica) where it answers.
         A dead drafter never fails a request here: the engine decodes without drafts meanwhile."""
         while True:
+            healthy = False
             try:
                 status = await self.drafter_status()
-                if status.get("endpoint") is None or status.get("breaker_open"):
+                healthy = status.get("endpoint") is not None and not status.get("breaker_open")
+                if not healthy:
                     endpoint = await asyncio.wait_for(self._drafter_endpoint(), timeout=10.0)
                     if endpoint != status.get("endpoint"):
                         await self._rpc("specserve_set_drafter", endpoint)
@@ -361,7 +380,7 @@ class EngineServer:
                 raise
             except Exception as e:  # noqa: BLE001 - drafter gone or Serve busy: retry; decoding goes on
                 log.warning("pool %s: no drafter endpoint yet (%s: %s)", self.pool_name, type(e).__name__, e)
-            await asyncio.sleep(self.pool.remote_reprobe_s)
+            await asyncio.sleep(drafter_watch_interval_s(healthy, self.pool.remote_reprobe_s))
 
     async def drafter_status(self, reset_samples: bool = False) -> dict[str, Any]:
         """The remote proposer's counters and call-time quantiles (rtt, transport overhead)."""

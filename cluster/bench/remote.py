@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = bench_config(yaml.safe_load(Path(args.base).read_text()), http, grpc, redis, metrics, args.timeout_s)
     cfg_path = Path(tempfile.mkdtemp(prefix="bench-remote-")) / "cluster.yaml"
     cfg_path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    config, redis_handle, fwd = start_cluster(str(cfg_path))
+    config, redis_handle, fwd, nodes = start_cluster(str(cfg_path))
     url = f"http://127.0.0.1:{http}"
     report: dict[str, Any] = {"config": raw, "k": args.k, "max_tokens": args.max_tokens, "phases": []}
     try:
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             ids = [p["token_ids"] for p in report["phases"] if p["concurrency"] == conc]
             report[f"identical_c{conc}"] = all(x == ids[0] for x in ids)
     finally:
-        stop_cluster(redis_handle, fwd)
+        stop_cluster(redis_handle, fwd, nodes)
     for p in report["phases"]:
         p.pop("token_ids")
     print(render(report))

@@ -80,7 +80,8 @@ def cmd_status(args) -> int:
 
 
 def _serve_applications(config_path: str, timeout_s: float) -> dict:
-    """{"applications": Serve's status per application and deployment} from the running cluster's Ray,
+    """{"applications": Serve's status per application and deployment, with the node of each replica;
+    "nodes": Ray's nodes and the custom resources they advertise} from the running cluster's Ray,
     or {"ray": why not}, within `timeout_s` (Ray's own attach retries for minutes)."""
     from cluster.config import load_config
     from cluster.ops.placement import ray_attach_env
@@ -93,20 +94,25 @@ def _serve_applications(config_path: str, timeout_s: float) -> dict:
             import ray
             from ray import serve
 
-            from cluster.ops.placement import driver_log_levels, ray_attach_kwargs
+            from ray._private import state as ray_state
+
+            from cluster.ops.placement import driver_log_levels, node_summary, ray_attach_kwargs, replica_nodes
 
             for name, level in driver_log_levels(verbose=False).items():  # the JSON is the whole output
                 logging.getLogger(name).setLevel(level)
             ray.init(**ray_attach_kwargs())
             st = serve.status()
-            apps = {
-                name: {"status": str(app.status),
-                       "deployments": {d: {"status": str(ds.status),
-                                           "replicas": {str(k): v for k, v in ds.replica_states.items()}}
-                                       for d, ds in app.deployments.items()}}
-                for name, app in st.applications.items()
-            }
-            answer.append({"applications": apps})
+            nodes = ray.nodes()
+            actors = ray_state.actors(actor_state_name="ALIVE")  # the GCS's table (the cluster runs no dashboard)
+            apps = {}
+            for name, app in st.applications.items():
+                where = replica_nodes(actors, nodes, name)
+                apps[name] = {"status": str(app.status),
+                              "deployments": {d: {"status": str(ds.status),
+                                                  "replicas": {str(k): v for k, v in ds.replica_states.items()},
+                                                  "on_nodes": where.get(d, [])}
+                                              for d, ds in app.deployments.items()}}
+            answer.append({"applications": apps, "nodes": node_summary(nodes)})
         except Exception as e:  # noqa: BLE001 - status is best effort; report what failed
             answer.append({"ray": f"not reachable: {type(e).__name__}: {e}"})
 

@@ -80,7 +80,9 @@ def ray_init_kwargs(config: ClusterConfig, pythonpath: str, log_to_driver: bool 
     `log_to_driver`: whether Ray copies every worker's stdout and stderr (vLLM engines, Serve's
     controller and proxies) to this terminal. Off, a start-up prints a few lines instead of
     hundreds; the workers write them to the session's log directory either way."""
-    kwargs: dict[str, Any] = dict(address=config.ray.address, include_dashboard=False, logging_level=logging.WARNING,
+    # "local": a new local Ray even when a stale /tmp/ray/ray_current_cluster names another (a worker
+    # node's `ray start` writes that file, and a killed cluster leaves it).
+    kwargs: dict[str, Any] = dict(address=config.ray.address or "local", include_dashboard=False, logging_level=logging.WARNING,
                                   log_to_driver=log_to_driver, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
     if not config.ray.address:
         kwargs["num_cpus"] = config.ray.num_cpus
@@ -88,6 +90,10 @@ def ray_init_kwargs(config: ClusterConfig, pythonpath: str, log_to_driver: bool 
             kwargs["_node_ip_address"] = config.ray.node_ip_address
         if config.ray.metrics_export_port:
             kwargs["_metrics_export_port"] = config.ray.metrics_export_port
+        if config.ray.head_resources:
+            kwargs["resources"] = dict(config.ray.head_resources)
+        if config.ray.nodes:
+            kwargs["_node_name"] = "head"
     return kwargs
 
 
@@ -284,7 +290,7 @@ def router_deployment_options(config: ClusterConfig) -> dict[str, Any]:
         num_replicas=r.replicas,
         max_ongoing_requests=r.max_ongoing_requests,
         max_queued_requests=r.max_queued_requests,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, **({"resources": dict(r.resources)} if r.resources else {})},
     )
 
 
@@ -300,3 +306,99 @@ def required_resources(config: ClusterConfig) -> dict[str, float]:
         for res, amount in d.resources.items():
             total[res] = total.get(res, 0.0) + d.replicas * amount
     return total
+
+
+def _fits(need: dict[str, float], node: dict[str, float]) -> bool:
+    return all(node.get(res, 0.0) >= amount for res, amount in need.items() if amount > 0)
+
+
+def placement_problems(config: ClusterConfig, nodes: list[dict[str, float]]) -> list[str]:
+    """Why some replica of the config can never be placed on a cluster of `nodes` (each node's total
+    resources, as `ray.nodes()` reports them), one message per pool or drafter naming the resource;
+    empty when every replica fits some node. A pool's bundles must fit one node together under
+    STRICT_PACK, each some node otherwise. Capacity shared between replicas is not checked (Serve
+    waits for it, and an autoscaled cluster adds nodes).
+
+    >>> from cluster.config import load_config
+    >>> cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "local-cpu.yaml"))
+    >>> placement_problems(cfg, [{"CPU": 4.0}])
+    []
+    >>> placement_problems(cfg, [{"CPU": 0.5}])[0]
+    "pool 'ngram': a replica needs CPU 1 on one node; the most any node has is 0.5"
+    """
+    def most(res: str) -> float:
+        return max((n.get(res, 0.0) for n in nodes), default=0.0)
+
+    def why(need: dict[str, float]) -> str:
+        short = [res for res, amount in need.items() if amount > 0 and most(res) < amount]
+        if short:
+            res = short[0]
+            return f"needs {res} {need[res]:g} on one node; the most any node has is {most(res):g}"
+        return f"needs {need} on one node; no node has all of it"
+
+    problems = []
+    for name, pool in config.pools.items():
+        if pool.placement_strategy == "STRICT_PACK":
+            need: dict[str, float] = {}
+            for b in pool.bundles:
+                for res, amount in b.items():
+                    need[res] = need.get(res, 0.0) + amount
+            if not any(_fits(need, n) for n in nodes):
+                problems.append(f"pool {name!r}: a replica {why(need)}")
+        else:
+            for b in pool.bundles:
+                if not any(_fits(b, n) for n in nodes):
+                    problems.append(f"pool {name!r}: a bundle {why(b)}")
+                    break
+    for name, d in config.drafters.items():
+        if not any(_fits(d.resources, n) for n in nodes):
+            problems.append(f"drafter {name!r}: a replica {why(d.resources)}")
+    if config.router.resources and not any(_fits(config.router.resources, n) for n in nodes):
+        problems.append(f"router: a replica {why(config.router.resources)}")
+    return problems
+
+
+SERVE_REPLICA_CLASS = "ServeReplica:"  # Ray Serve's replica actors: class "ServeReplica:<app>:<deployment>"
+
+
+def replica_nodes(actors: dict[str, dict], nodes: list[dict], app: str) -> dict[str, list[dict[str, str]]]:
+    """Per deployment of Serve application `app`, where each live replica runs: [{"replica": its
+    id, "node": its node's name}], from Ray's actor table and `ray.nodes()` (`specserve status`).
+
+    >>> nodes = [{"NodeID": "n1", "NodeName": "head"}, {"NodeID": "n2", "NodeName": "target"}]
+    >>> actors = {"a": {"ActorClassName": "ServeReplica:specserve:remote", "State": "ALIVE",
+    ...                 "Name": "SERVE_REPLICA::specserve#remote#x1", "Address": {"NodeID": "n2"}},
+    ...           "b": {"ActorClassName": "ServeReplica:other:remote", "State": "ALIVE", "Name": "",
+    ...                 "Address": {"NodeID": "n1"}},
+    ...           "c": {"ActorClassName": "ServeReplica:specserve:router", "State": "DEAD", "Name": "",
+    ...                 "Address": {"NodeID": "n1"}}}
+    >>> replica_nodes(actors, nodes, "specserve")
+    {'remote': [{'replica': 'x1', 'node': 'target'}]}
+    """
+    names = {n.get("NodeID"): n.get("NodeName") or n.get("NodeManagerAddress") or "?" for n in nodes}
+    out: dict[str, list[dict[str, str]]] = {}
+    for actor in actors.values():
+        cls = actor.get("ActorClassName") or ""
+        if actor.get("State") != "ALIVE" or not cls.startswith(f"{SERVE_REPLICA_CLASS}{app}:"):
+            continue
+        deployment = cls.split(":", 2)[2]
+        node_id = (actor.get("Address") or {}).get("NodeID")
+        out.setdefault(deployment, []).append({"replica": (actor.get("Name") or "").rsplit("#", 1)[-1],
+                                               "node": names.get(node_id, node_id or "?")})
+    for reps in out.values():
+        reps.sort(key=lambda r: (r["node"], r["replica"]))
+    return out
+
+
+def node_summary(nodes: list[dict]) -> list[dict[str, Any]]:
+    """Ray's nodes as `specserve status` shows them: name, alive, and the custom resources they advertise.
+
+    >>> node_summary([{"NodeName": "target", "Alive": True, "Resources": {"CPU": 1.0, "specserve_target": 1.0,
+    ...                "node:127.0.0.1": 1.0, "memory": 5.0, "object_store_memory": 1.0}}])
+    [{'name': 'target', 'alive': True, 'cpus': 1.0, 'resources': {'specserve_target': 1.0}}]
+    """
+    builtin = {"CPU", "GPU", "memory", "object_store_memory"}
+    return [{"name": n.get("NodeName") or "?", "alive": bool(n.get("Alive")), "cpus": (n.get("Resources") or {}).get("CPU", 0.0),
+             "resources": {r: v for r, v in sorted((n.get("Resources") or {}).items())
+                           if r not in builtin and not r.startswith("node:")}}
+            for n in sorted(nodes, key=lambda n: n.get("NodeName") or "")]

@@ -50,7 +50,7 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
     paths = prepare_all(config)  # 2. model files, once (cached)
     print(f"[specserve] models ready in {time.monotonic() - t0:.1f} s: {paths}")
     redis_handle = _start_redis(config)  # 3. tuning state
-    forwarder = None
+    forwarder = nodes = None
     try:
         # 4. Ray: join a cluster or start a local one
         local = not config.ray.address
@@ -71,6 +71,9 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
         interrupt_on_signals()  # ray.init replaced the SIGTERM handler with its own (sys.exit)
         print(logs_line((getattr(ctx, "address_info", None) or {}).get("session_dir"), verbose,
                         joined=not local))
+        if local:
+            nodes = _start_local_nodes(config, ctx)  # 4b. worker nodes of a local multi-node cluster
+            _check_placement(config)
         tls = config.api.tls
         http_tls = {}
         if tls.enabled:
@@ -82,7 +85,9 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
         if config.api.grpc_port:
             grpc = gRPCOptions(port=config.api.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS,
                                enable_reflection=grpc_reflection(config), request_timeout_s=timeout_s)
-        serve.start(http_options=HTTPOptions(host=config.api.host, port=config.api.http_port, request_timeout_s=timeout_s,
+        # One machine: the proxies of every node would bind the same ports, so a local cluster runs
+        # them on the head only (a joined cluster keeps Serve's default, a proxy per node with replicas).
+        serve.start(proxy_location="HeadOnly" if local else None, http_options=HTTPOptions(host=config.api.host, port=config.api.http_port, request_timeout_s=timeout_s,
                                              **http_tls), grpc_options=grpc)
         if grpc is not None and tls.enabled:  # Ray's gRPC proxy has no TLS: a TLS listener in front of it
             from cluster.tls import GrpcTlsForwarder, grpc_server_credentials
@@ -104,9 +109,43 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
     except BaseException:  # a failed or interrupted start-up stops what it started
         hold_signals_while_stopping()
         print("[specserve] start-up did not finish: stopping what was started", file=sys.stderr)
-        stop_cluster(redis_handle, forwarder)
+        stop_cluster(redis_handle, forwarder, nodes)
         raise
-    return config, redis_handle, forwarder
+    return config, redis_handle, forwarder, nodes
+
+
+def _start_local_nodes(config, ctx):
+    """Start the config's local worker nodes (`ray.nodes`) and wait until Ray has them; None if none."""
+    if not config.ray.nodes:
+        return None
+    import ray
+
+    from cluster.ops.local_nodes import LocalNodes
+
+    info = getattr(ctx, "address_info", None) or {}
+    session = Path(info.get("session_dir") or "/tmp/ray/session_latest")
+    t0 = time.monotonic()
+    nodes = LocalNodes.start(config.ray.nodes, info["gcs_address"], config.ray.node_ip_address, session / "logs")
+    try:
+        nodes.wait_joined(lambda: [n.get("NodeName") for n in ray.nodes() if n.get("Alive")])
+    except BaseException:
+        nodes.stop()
+        raise
+    print(f"[specserve] ray nodes {[n.name for n in nodes.nodes]} joined the head ({info['gcs_address']}) "
+          f"in {time.monotonic() - t0:.0f} s")
+    return nodes
+
+
+def _check_placement(config) -> None:
+    """Fail the start-up, naming the pool and the resource, when a replica fits no node of the local
+    cluster (Serve would otherwise wait for it forever)."""
+    import ray
+
+    from cluster.ops.placement import placement_problems
+
+    problems = placement_problems(config, [n.get("Resources") or {} for n in ray.nodes() if n.get("Alive")])
+    if problems:
+        raise RuntimeError("placement: " + "; ".join(problems))
 
 
 def logs_line(session_dir: Optional[str], verbose: bool, joined: bool) -> str:
@@ -196,7 +235,7 @@ def bounded(fn, timeout_s: float, what: str) -> bool:
     return True
 
 
-def stop_cluster(redis_handle=None, forwarder=None, serve_timeout_s: float = SERVE_SHUTDOWN_S) -> None:
+def stop_cluster(redis_handle=None, forwarder=None, nodes=None, serve_timeout_s: float = SERVE_SHUTDOWN_S) -> None:
     import ray
     from ray import serve
 
@@ -206,6 +245,8 @@ def stop_cluster(redis_handle=None, forwarder=None, serve_timeout_s: float = SER
         if ray.is_initialized():
             bounded(serve.shutdown, serve_timeout_s, "serve.shutdown")
     finally:
+        if nodes is not None:
+            nodes.stop()
         ray.shutdown()
         if redis_handle is not None:
             redis_handle.stop()
@@ -269,7 +310,7 @@ def cmd_up(args) -> int:
     reaper.become_subreaper()  # an engine its Ray worker orphans is re-parented here, not to init
     try:
         try:
-            config, redis_handle, forwarder = start_cluster(args.config, wait_s=args.wait_s,
+            config, redis_handle, forwarder, nodes = start_cluster(args.config, wait_s=args.wait_s,
                                                             verbose=getattr(args, "verbose", False))
         except (ConfigError, TlsConfigError) as e:
             print(f"specserve up: {e}", file=sys.stderr)
@@ -292,7 +333,7 @@ def cmd_up(args) -> int:
             pass  # a signal in the instant before these handlers replaced the start-up's: stop all the same
         print("[specserve] stopping")
         hold_signals_while_stopping()
-        stop_cluster(redis_handle, forwarder)
+        stop_cluster(redis_handle, forwarder, nodes)
         return 0
     finally:
         left = reaper.reap_descendants()

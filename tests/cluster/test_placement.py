@@ -29,7 +29,7 @@ def _cfg(ray: dict):
 
 def test_the_local_default_binds_ray_to_loopback():
     kw = ray_init_kwargs(load_config(LOCAL_CPU), pythonpath="/src")
-    assert kw["address"] is None  # a local Ray is started ...
+    assert kw["address"] == "local"  # a new local Ray is started (whatever a stale ray_current_cluster says) ...
     assert kw["_node_ip_address"] == "127.0.0.1"  # ... and its GCS, raylet and workers listen on loopback
     assert kw["num_cpus"] == 4 and kw["_metrics_export_port"] == 8090
     assert kw["include_dashboard"] is False and kw["logging_level"] == logging.WARNING
@@ -93,7 +93,7 @@ def test_every_argument_is_one_ray_init_takes(config):
     import ray
 
     named = set(inspect.signature(ray.init).parameters)
-    private = {"_node_ip_address", "_metrics_export_port"}  # popped from **kwargs by ray.init (ray/_private/worker.py)
+    private = {"_node_ip_address", "_metrics_export_port", "_node_name"}  # popped from **kwargs by ray.init (ray/_private/worker.py)
     source = inspect.getsource(ray.init)
     for name in [*ray_init_kwargs(load_config(config), "/src"), *ray_attach_kwargs()]:
         assert name in named or (name in private and f'"{name}"' in source), name

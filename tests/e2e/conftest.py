@@ -42,10 +42,10 @@ class Cluster:
         return "\n".join(lines[-n:])
 
 
-def launch_cluster(tmp: Path, name: str, mutate=None):
+def launch_cluster(tmp: Path, name: str, mutate=None, base: Path = LOCAL_CONFIG):
     """Start `specserve up` (the README's path) on free ports with its own Redis; yield a Cluster;
-    stop it (SIGINT, then kill) afterwards. `mutate(raw)` adjusts the config first."""
-    raw = yaml.safe_load(LOCAL_CONFIG.read_text())
+    stop it (SIGINT, then kill) afterwards. `mutate(raw)` adjusts the config (`base`) first."""
+    raw = yaml.safe_load(base.read_text())
     raw["api"]["http_port"] = _free_port()
     raw["api"]["grpc_port"] = _free_port()
     raw["redis"]["url"] = f"redis://127.0.0.1:{_free_port()}/0"

@@ -332,8 +332,9 @@ def test_a_grpc_deadline_aborts_the_request_in_vllm(cluster, stub):
             call()
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert time.monotonic() - t0 < 10
-        # 1500 tokens take a minute or more on a CPU: an engine idle within seconds aborted it.
-        assert _wait_idle(cluster.http_url, 10) < 10
+        # 1500 tokens take a minute or more on a CPU: an engine idle well before that aborted it
+        # (the bound leaves room for a machine busy with other work).
+        assert _wait_idle(cluster.http_url, 25) < 25
 
 
 def test_an_http_request_timeout_header_aborts_the_request_in_vllm(cluster):
@@ -345,7 +346,7 @@ def test_an_http_request_timeout_header_aborts_the_request_in_vllm(cluster):
                    headers={"x-request-timeout-seconds": "2"})  # Ray's proxy reads it (Ray Serve 2.60)
     assert r.status_code == 408, r.text
     assert time.monotonic() - t0 < 10
-    assert _wait_idle(cluster.http_url, 10) < 10
+    assert _wait_idle(cluster.http_url, 25) < 25
 
 
 def test_requests_past_the_routers_deadline_are_504_and_aborted(cluster):

@@ -96,7 +96,7 @@ def test_placement_capacity_at_max_replicas():
     assert any("need 6 GPU" in e and "offer 4" in e for e in errors)
 
 
-def test_placement_gpu_drafters_go_on_their_own_group():
+def test_placement_specserve_drafters_go_on_their_own_group():
     drafter_group = {"name": "dr", "cpu": 8, "memory_gib": 32, "gpus": 1, "custom_resources": {"drafter": 1},
                      "max_replicas": 2}
     pools = {"p": {"model": "m", "method": "remote_draft", "remote_drafter": "x", "max_k": 4,

@@ -80,8 +80,8 @@ def ray_init_kwargs(config: ClusterConfig, pythonpath: str, log_to_driver: bool 
     `log_to_driver`: whether Ray copies every worker's stdout and stderr (vLLM engines, Serve's
     controller and proxies) to this terminal. Off, a start-up prints a few lines instead of
     hundreds; the workers write them to the session's log directory either way."""
-    # "local": a new local Ray even when a stale /tmp/ray/ray_current_cluster names another (a worker
-    # node's `ray start` writes that file, and a killed cluster leaves it).
+    # "local": a new local Ray even when /tmp/ray/ray_current_cluster names another (a `ray start`
+    # on this machine, or a cluster killed outright, leaves that file behind).
     kwargs: dict[str, Any] = dict(address=config.ray.address or "local", include_dashboard=False, logging_level=logging.WARNING,
                                   log_to_driver=log_to_driver, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
     if not config.ray.address:

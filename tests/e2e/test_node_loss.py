@@ -1,6 +1,6 @@
 """Node loss on a multi-node Ray cluster on this machine (cluster/configs/local-multinode.yaml, with a
 spare node of each kind): while clients send requests, kill every process of one worker node (its
-`ray start`, raylet, workers and their vLLM engine cores) with SIGKILL.
+node process, raylet, workers and their vLLM engine cores) with SIGKILL.
 
 - The drafter's node: the target keeps serving without drafts (no request fails), and drafting
   resumes once Serve has placed a new drafter replica on the spare drafter node.
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -77,10 +78,10 @@ def _kill_node(cluster, name: str) -> int:
             cmd = p.cmdline()
         except psutil.NoSuchProcess:
             continue
-        if "start" in cmd and "--node-name" in cmd and cmd[cmd.index("--node-name") + 1] == name:
+        if "cluster.ops.ray_node" in cmd and "--name" in cmd and cmd[cmd.index("--name") + 1] == name:
             root = p
             break
-    assert root is not None, f"no `ray start` process for node {name!r}"
+    assert root is not None, f"no node process for node {name!r}"
     procs = [root] + root.children(recursive=True)
     for p in procs:
         try:
@@ -152,6 +153,7 @@ def test_node_loss_under_load(cluster):
 
         # 1. The drafter's node.
         t_kill = time.monotonic()
+        before = [r for r in load.results if r["outcome"] == "ok"]
         killed = _kill_node(cluster, drafter_node)
         undrafted = _wait(lambda: any(r["drafted"] == 0 for r in load.since(t_kill + 0.5)), 120, 0.5)
         resumed = _wait(lambda: any(r["drafted"] > 0 for r in load.since(t_kill + undrafted + 1)), RECOVERY_BOUND_S)
@@ -172,18 +174,25 @@ def test_node_loss_under_load(cluster):
         serving_again = min((r["t1"] - t_kill for r in load.since(t_kill) if r["outcome"] == "ok"), default=None)
         back = _wait(lambda: len(_placement(cluster).get("engine-remote", [])) == 2
                      and victim not in _placement(cluster)["engine-remote"], RECOVERY_BOUND_S, 5)
-        at_risk = [r for r in load.results if r["t0"] < t_kill < r["t1"]]
-        later = load.since(t_kill + 10)
+        time.sleep(15)  # requests on the restored pool
+        t_stop = time.monotonic()
+    # Every request has ended here (the load's threads are joined).
+    at_risk = [r for r in load.results if r["t0"] < t_kill < r["t1"]]
+    after = [r for r in load.results if t_kill <= r["t0"] < t_stop]
+    slow = [r for r in after if r["t1"] - r["t0"] > 10]
     report["target_node"] = {
         "node": victim, "processes_killed": killed, "in_flight_at_kill": dict(Counter(r["outcome"] for r in at_risk)),
         "first_success_after_kill_s": None if serving_again is None else round(serving_again, 1),
         "pool_back_to_2_replicas_s": round(20 + back, 1), "replicas_on": _placement(cluster)["engine-remote"],
-        "requests_started_10s_after_kill": dict(Counter(r["outcome"] for r in later))}
+        "requests_started_after_kill": dict(Counter(r["outcome"] for r in after)),
+        "of_those_over_10s": [{"started_after_kill_s": round(r["t0"] - t_kill, 1), "took_s": round(r["t1"] - r["t0"], 1),
+                               "outcome": r["outcome"], "drafted": r["drafted"]} for r in slow]}
+    report["latency_before_any_kill_s"] = round(statistics.median(r["t1"] - r["t0"] for r in before), 2)
     report["all_requests"] = dict(Counter(r["outcome"] for r in load.results))
     REPORT.parent.mkdir(exist_ok=True)
     REPORT.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report, indent=1))
     assert "hung" not in report["all_requests"], report
     assert all(o == "ok" or o == "http 503" for o in report["target_node"]["in_flight_at_kill"]), report
-    assert set(report["target_node"]["requests_started_10s_after_kill"]) == {"ok"}, report
+    assert set(report["target_node"]["requests_started_after_kill"]) == {"ok"}, report
     assert serving_again is not None and serving_again < 30, report

@@ -7,7 +7,9 @@ used by `specserve up`, by the Serve config rendered for KubeRay, and by tests.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -65,12 +67,16 @@ def ray_attach_env(config: ClusterConfig, environ: dict) -> dict[str, str]:
     >>> ray_attach_env(local, {"RAY_ADDRESS": "127.0.0.1:6379"})
     {'RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER': '0'}
     """
-    address = environ.get("RAY_ADDRESS") or config.ray.address
+    record = None if environ.get("RAY_ADDRESS") or config.ray.address else read_ray_address(config)
+    address = environ.get("RAY_ADDRESS") or config.ray.address or (record or {}).get("gcs")
     if address and address != "auto":
         host = address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
     else:
         host = config.ray.node_ip_address if not config.ray.address else None
-    return {RAY_LOOPBACK_ENV: "0"} if _is_loopback(host) else {}
+    env = {RAY_LOOPBACK_ENV: "0"} if _is_loopback(host) else {}
+    if record and record.get("auth_mode") and RAY_AUTH_MODE_ENV not in environ:
+        env[RAY_AUTH_MODE_ENV] = record["auth_mode"]
+    return env
 
 
 def ray_init_kwargs(config: ClusterConfig, pythonpath: str, log_to_driver: bool = False) -> dict[str, Any]:
@@ -97,11 +103,46 @@ def ray_init_kwargs(config: ClusterConfig, pythonpath: str, log_to_driver: bool 
     return kwargs
 
 
-def ray_attach_kwargs() -> dict[str, Any]:
+def ray_attach_kwargs(address: Optional[str] = None) -> dict[str, Any]:
     """Arguments of `ray.init` for a client command that reads the running cluster (`specserve
-    status`): attach to it and print only the command's own output, none of the workers' and no
+    status`): attach to `address` (the cluster's GCS, `ray_address_file`; else Ray's "auto", the
+    newest local cluster) and print only the command's own output, none of the workers' and no
     Ray log line below ERROR."""
-    return dict(address="auto", logging_level=logging.ERROR, log_to_driver=False)
+    return dict(address=address or "auto", logging_level=logging.ERROR, log_to_driver=False)
+
+
+def ray_address_file(config: ClusterConfig) -> Path:
+    """Where `specserve up` writes the GCS address of the local Ray it started, so that
+    `specserve status --config` attaches to that cluster and not to another on this machine
+    (Ray's own "auto" picks the newest).
+
+    >>> from cluster.config import load_config
+    >>> ray_address_file(load_config(str(Path(__file__).resolve().parents[1] / "configs" / "local-cpu.yaml"))).name
+    'specserve-8000.gcs'
+    """
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specserve" / "run"
+    return base / f"{config.name}-{config.api.http_port}.gcs"
+
+
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"  # a new local Ray turns on token auth; a client must ask for it
+
+
+def ray_address_record(gcs_address: str, environ: dict) -> str:
+    """What `specserve up` writes to `ray_address_file`: the GCS address and Ray's auth mode.
+
+    >>> ray_address_record("127.0.0.1:6379", {"RAY_AUTH_MODE": "token"})
+    '{"gcs": "127.0.0.1:6379", "auth_mode": "token"}'
+    """
+    return json.dumps({"gcs": gcs_address, "auth_mode": environ.get(RAY_AUTH_MODE_ENV)})
+
+
+def read_ray_address(config: ClusterConfig) -> Optional[dict]:
+    """{"gcs", "auth_mode"} that `specserve up` recorded for this config's local cluster, or None."""
+    try:
+        record = json.loads(ray_address_file(config).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("gcs") else None
 
 
 # Importing ray.serve gives the driver's `ray.serve` logger its own stderr handler at INFO (its

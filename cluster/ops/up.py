@@ -72,6 +72,7 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
         print(logs_line((getattr(ctx, "address_info", None) or {}).get("session_dir"), verbose,
                         joined=not local))
         if local:
+            _record_ray_address(config, (getattr(ctx, "address_info", None) or {}).get("gcs_address"))
             nodes = _start_local_nodes(config, ctx)  # 4b. worker nodes of a local multi-node cluster
             _check_placement(config)
         tls = config.api.tls
@@ -112,6 +113,20 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
         stop_cluster(redis_handle, forwarder, nodes)
         raise
     return config, redis_handle, forwarder, nodes
+
+
+def _record_ray_address(config, gcs_address) -> None:
+    """Write the local Ray's GCS address where `specserve status --config` finds it (placement.ray_address_file)."""
+    from cluster.ops.placement import ray_address_file, ray_address_record
+
+    if not gcs_address:
+        return
+    path = ray_address_file(config)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(ray_address_record(gcs_address, os.environ) + "\n")  # after ray.init: its auth mode
+    except OSError as e:  # status falls back to Ray's "auto"
+        log.warning("could not record the Ray address in %s: %s", path, e)
 
 
 def _start_local_nodes(config, ctx):

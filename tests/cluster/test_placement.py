@@ -110,3 +110,25 @@ def test_a_client_attaches_with_the_loopback_switch_only_to_a_loopback_ray():
     assert ray_attach_env(_cfg({"address": "auto"}), {}) == {}
     assert ray_attach_env(_cfg({"address": "10.1.2.3:6379"}), {}) == {}
     assert ray_attach_env(_cfg({"node_ip_address": "10.0.0.5"}), {}) == {}
+
+
+def test_status_attaches_to_the_cluster_up_recorded_for_its_config(tmp_path, monkeypatch):
+    """`specserve up` records its local Ray's GCS address and auth mode per config (name and HTTP
+    port); `specserve status --config` attaches there, not to whichever Ray on the machine is newest."""
+    from cluster.ops.placement import RAY_AUTH_MODE_ENV, ray_address_file, ray_address_record, read_ray_address
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    local = load_config(LOCAL_CPU)
+    assert read_ray_address(local) is None and ray_attach_env(local, {}) == {RAY_LOOPBACK_ENV: "0"}
+    path = ray_address_file(local)
+    path.parent.mkdir(parents=True)
+    path.write_text(ray_address_record("127.0.0.1:41234", {RAY_AUTH_MODE_ENV: "token"}))
+    assert read_ray_address(local) == {"gcs": "127.0.0.1:41234", "auth_mode": "token"}
+    assert ray_attach_env(local, {}) == {RAY_LOOPBACK_ENV: "0", RAY_AUTH_MODE_ENV: "token"}
+    assert ray_attach_env(local, {RAY_AUTH_MODE_ENV: "disabled"}) == {RAY_LOOPBACK_ENV: "0"}  # the caller's wins
+    assert ray_attach_env(local, {"RAY_ADDRESS": "10.1.2.3:6379"}) == {}  # an explicit address ignores the record
+    other = _cfg({})
+    other.api.http_port = 8001
+    assert read_ray_address(other) is None  # another config's cluster
+    path.write_text("not json")
+    assert read_ray_address(local) is None

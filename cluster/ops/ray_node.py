@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         plasma_store_socket_name=os.path.join(tempfile.gettempdir(), f"ray-node-{os.getpid()}-plasma"),
         raylet_socket_name=os.path.join(tempfile.gettempdir(), f"ray-node-{os.getpid()}-raylet"))
     params.dashboard_agent_listen_port = None  # any free port (the head's agent holds the default)
+    for path in (params.plasma_store_socket_name, params.raylet_socket_name):
+        _unlink(path)  # left by a killed node whose pid this process now has: the raylet could not bind
     # A signal before the node is up ends this process at once (its group is killed after it).
     node = ray._private.node.Node(params, head=False, shutdown_at_exit=False, spawn_reaper=True)
     stop = threading.Event()
@@ -65,10 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         node.kill_all_processes(check_alive=False, allow_graceful=True)
         for path in (params.plasma_store_socket_name, params.raylet_socket_name):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+            _unlink(path)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

@@ -3,10 +3,10 @@ pydantic models that `cluster.config.ClusterConfig` assembles with the models an
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Annotated, Optional
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.speculation import SpecMode
 
@@ -20,15 +20,19 @@ class Strict(BaseModel):
 RAY_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
 
 
-def _custom_resources(v: dict[str, float], where: str) -> dict[str, float]:
+def _custom_resources(v: dict[str, float]) -> dict[str, float]:
     for res, amount in v.items():
         if res in RAY_BUILTIN_RESOURCES or res.startswith("node:"):
-            raise ValueError(f"{where}: {res!r} is Ray's own resource; name a custom one (e.g. specserve_target)")
+            raise ValueError(f"{res!r} is Ray's own resource; name a custom one (e.g. specserve_target)")
         if not res or len(res) > 64 or not all(c.isalnum() or c in "_-" for c in res):
-            raise ValueError(f"{where}: resource name {res[:64]!r} must be 1-64 letters, digits, '_' or '-'")
+            raise ValueError(f"resource name {res[:64]!r} must be 1-64 letters, digits, '_' or '-'")
         if not 0 < amount <= 1e6:
-            raise ValueError(f"{where}: resource {res!r} must be within (0, 1e6], got {amount}")
+            raise ValueError(f"resource {res!r} must be within (0, 1e6], got {amount}")
     return v
+
+
+# Custom Ray resources (a node's, or what a replica asks of one); an error names the field it is in.
+CustomResources = Annotated[dict[str, float], AfterValidator(_custom_resources)]
 
 
 class TeachingConfig(Strict):
@@ -66,16 +70,10 @@ class RouterConfig(Strict):
         description="Safe default K per mode when the router has no tuning state.",
     )
     replicas: int = Field(1, ge=1, description="Router (ingress) replicas.")
-    resources: dict[str, float] = Field(
+    resources: CustomResources = Field(
         default_factory=dict, description=(
             "Custom Ray resources of one router replica, so it lands on the nodes that advertise them (e.g. "
             "{specserve_head: 0.01} with ray.head_resources {specserve_head: 1}). Empty: any node."))
-
-    @field_validator("resources")
-    @classmethod
-    def _resources(cls, v: dict[str, float]) -> dict[str, float]:
-        return _custom_resources(v, "resources")
-
     max_ongoing_requests: int = Field(256, ge=1, description="Requests one router replica admits at once.")
     max_queued_requests: int = Field(
         512, ge=-1, description="Requests queued at the proxies for the router before they answer 503 (-1: no bound)."
@@ -242,22 +240,16 @@ class ApiConfig(Strict):
 
 
 class LocalNodeConfig(Strict):
-    """One worker node of a local multi-node Ray cluster: a `ray start` process tree of its own on this
-    machine (raylet, object store, workers), joined to the head that `specserve up` starts."""
+    """One worker node of a local multi-node Ray cluster: a process tree of its own on this machine
+    (raylet, object store, workers; cluster/ops/local_nodes.py), joined to the head `specserve up` starts."""
 
     name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,31}$", description="Node name (Ray's node_name; `specserve status`).")
     num_cpus: int = Field(1, ge=0, le=1024, description="Logical CPUs the node advertises.")
-    resources: dict[str, float] = Field(
+    resources: CustomResources = Field(
         default_factory=dict, description=(
             "Custom resources the node advertises, which pool bundles, drafters and the router name to land "
             "on it (the names the GPU config's node groups advertise: specserve_target, specserve_drafter, specserve_mtp)."))
     object_store_mb: int = Field(128, ge=80, le=1 << 20, description="The node's object store (MiB).")
-
-    @field_validator("resources")
-    @classmethod
-    def _res(cls, v: dict[str, float]) -> dict[str, float]:
-        return _custom_resources(v, "resources")
-
 
 class RayConfig(Strict):
     address: Optional[str] = Field(
@@ -275,23 +267,17 @@ class RayConfig(Strict):
             "Serve replicas unpickle what reaches them, unauthenticated). Loopback keeps all of it off the network; "
             "the API is served on api.host either way. None: Ray picks this machine's address (other machines may "
             "then join, and reach it)."))
-    head_resources: dict[str, float] = Field(
+    head_resources: CustomResources = Field(
         default_factory=dict, description="Custom resources the head of a local cluster advertises (e.g. for the router).")
     nodes: list[LocalNodeConfig] = Field(
         default_factory=list, description=(
-            "Worker nodes of a local cluster, each a separate `ray start` process tree on this machine with its "
+            "Worker nodes of a local cluster, each a separate process tree on this machine with its "
             "own resources (cluster/ops/local_nodes.py): the multi-node path on one machine. Empty: one node."))
     pin_serving_cpus: bool = Field(
         False, description=(
             "A local cluster on vLLM's CPU backend: keep the serving processes (proxies, router, replicas' front "
             "ends, engine-core schedulers, Ray's daemons) on the cores vLLM leaves free of its model workers, so they "
             "do not preempt a worker on its core (cluster/ops/cpu_pinning.py). No effect on GPU engines or a joined cluster."))
-
-    @field_validator("head_resources")
-    @classmethod
-    def _head_resources(cls, v: dict[str, float]) -> dict[str, float]:
-        return _custom_resources(v, "head_resources")
-
     @model_validator(mode="after")
     def _local_nodes(self) -> "RayConfig":
         if self.nodes and self.address:

@@ -86,8 +86,7 @@ def _serve_applications(config_path: str, timeout_s: float) -> dict:
     from cluster.config import load_config
     from cluster.ops.placement import ray_attach_env
 
-    config = load_config(config_path)
-    os.environ.update(ray_attach_env(config, os.environ))  # before `import ray`
+    os.environ.update(ray_attach_env(load_config(config_path), os.environ))  # before `import ray`
     answer: list[dict] = []  # the attach thread's one result, appended whole
 
     def attach() -> None:
@@ -97,13 +96,11 @@ def _serve_applications(config_path: str, timeout_s: float) -> dict:
 
             from ray._private import state as ray_state
 
-            from cluster.ops.placement import (driver_log_levels, node_summary, ray_attach_kwargs, read_ray_address,
-                                               replica_nodes)
+            from cluster.ops.placement import driver_log_levels, node_summary, ray_attach_kwargs, replica_nodes
 
             for name, level in driver_log_levels(verbose=False).items():  # the JSON is the whole output
                 logging.getLogger(name).setLevel(level)
-            record = None if os.environ.get("RAY_ADDRESS") else read_ray_address(config)
-            ray.init(**ray_attach_kwargs((record or {}).get("gcs")))
+            ray.init(**ray_attach_kwargs())
             st = serve.status()
             nodes = ray.nodes()
             actors = ray_state.actors(actor_state_name="ALIVE")  # the GCS's table (the cluster runs no dashboard)

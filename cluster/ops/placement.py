@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from cluster.config import ClusterConfig, RedisConfig, DrafterDeploymentConfig, PoolConfig
+from cluster.config_sections import RAY_BUILTIN_RESOURCES
 
 # Registered through cluster.api.grpc_ingress so that undecodable bodies become INVALID_ARGUMENT.
 GRPC_SERVICER_FUNCTIONS = [
@@ -56,7 +57,9 @@ def _is_loopback(host: Optional[str]) -> bool:
 def ray_attach_env(config: ClusterConfig, environ: dict) -> dict[str, str]:
     """Environment for a client process that attaches to the running cluster's Ray (`specserve
     status`), set before `import ray`: the loopback switch when that Ray listens on loopback (the
-    local default), since without it Ray dials the machine's routable address, where nothing listens.
+    local default), since without it Ray dials the machine's routable address, where nothing listens;
+    and, unless the caller names a Ray, RAY_ADDRESS and the auth mode `specserve up` recorded for
+    this config (`ray_address_file`).
 
     >>> from cluster.config import load_config
     >>> local = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "local-cpu.yaml"))
@@ -74,8 +77,10 @@ def ray_attach_env(config: ClusterConfig, environ: dict) -> dict[str, str]:
     else:
         host = config.ray.node_ip_address if not config.ray.address else None
     env = {RAY_LOOPBACK_ENV: "0"} if _is_loopback(host) else {}
-    if record and record.get("auth_mode") and RAY_AUTH_MODE_ENV not in environ:
-        env[RAY_AUTH_MODE_ENV] = record["auth_mode"]
+    if record:  # the Ray that `specserve up` started for this config (`ray_address_file`)
+        env["RAY_ADDRESS"] = record["gcs"]
+        if record.get("auth_mode") and RAY_AUTH_MODE_ENV not in environ:
+            env[RAY_AUTH_MODE_ENV] = record["auth_mode"]
     return env
 
 
@@ -103,12 +108,12 @@ def ray_init_kwargs(config: ClusterConfig, pythonpath: str, log_to_driver: bool 
     return kwargs
 
 
-def ray_attach_kwargs(address: Optional[str] = None) -> dict[str, Any]:
+def ray_attach_kwargs() -> dict[str, Any]:
     """Arguments of `ray.init` for a client command that reads the running cluster (`specserve
-    status`): attach to `address` (the cluster's GCS, `ray_address_file`; else Ray's "auto", the
-    newest local cluster) and print only the command's own output, none of the workers' and no
-    Ray log line below ERROR."""
-    return dict(address=address or "auto", logging_level=logging.ERROR, log_to_driver=False)
+    status`): attach to it ("auto": RAY_ADDRESS, which `ray_attach_env` sets from the cluster's
+    record, else the newest local Ray) and print only the command's own output, none of the
+    workers' and no Ray log line below ERROR."""
+    return dict(address="auto", logging_level=logging.ERROR, log_to_driver=False)
 
 
 def ray_address_file(config: ClusterConfig) -> Path:
@@ -438,8 +443,7 @@ def node_summary(nodes: list[dict]) -> list[dict[str, Any]]:
     ...                "node:127.0.0.1": 1.0, "memory": 5.0, "object_store_memory": 1.0}}])
     [{'name': 'target', 'alive': True, 'cpus': 1.0, 'resources': {'specserve_target': 1.0}}]
     """
-    builtin = {"CPU", "GPU", "memory", "object_store_memory"}
     return [{"name": n.get("NodeName") or "?", "alive": bool(n.get("Alive")), "cpus": (n.get("Resources") or {}).get("CPU", 0.0),
              "resources": {r: v for r, v in sorted((n.get("Resources") or {}).items())
-                           if r not in builtin and not r.startswith("node:")}}
+                           if r not in RAY_BUILTIN_RESOURCES and not r.startswith("node:")}}
             for n in sorted(nodes, key=lambda n: n.get("NodeName") or "")]

@@ -124,8 +124,9 @@ def test_status_attaches_to_the_cluster_up_recorded_for_its_config(tmp_path, mon
     path.parent.mkdir(parents=True)
     path.write_text(ray_address_record("127.0.0.1:41234", {RAY_AUTH_MODE_ENV: "token"}))
     assert read_ray_address(local) == {"gcs": "127.0.0.1:41234", "auth_mode": "token"}
-    assert ray_attach_env(local, {}) == {RAY_LOOPBACK_ENV: "0", RAY_AUTH_MODE_ENV: "token"}
-    assert ray_attach_env(local, {RAY_AUTH_MODE_ENV: "disabled"}) == {RAY_LOOPBACK_ENV: "0"}  # the caller's wins
+    recorded = {RAY_LOOPBACK_ENV: "0", "RAY_ADDRESS": "127.0.0.1:41234"}
+    assert ray_attach_env(local, {}) == {**recorded, RAY_AUTH_MODE_ENV: "token"}
+    assert ray_attach_env(local, {RAY_AUTH_MODE_ENV: "disabled"}) == recorded  # the caller's wins
     assert ray_attach_env(local, {"RAY_ADDRESS": "10.1.2.3:6379"}) == {}  # an explicit address ignores the record
     other = _cfg({})
     other.api.http_port = 8001

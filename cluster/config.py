@@ -20,6 +20,8 @@ from cluster.speculation import WORKLOAD_CLASSES, SpecMode
 CPU_METHODS = {SpecMode.NONE, SpecMode.NGRAM, SpecMode.DRAFT_MODEL, SpecMode.EAGLE, SpecMode.REMOTE_DRAFT}
 # Methods whose proposer is a separate set of weights named by `drafter`.
 DRAFTER_METHODS = {SpecMode.DRAFT_MODEL, SpecMode.EAGLE, SpecMode.EAGLE3}
+# Router calls of its own beside requests (status, models, tuning reads) in its admission bound.
+ROUTER_OWN_CALLS = 64
 
 
 class ConfigError(ValueError):
@@ -377,6 +379,18 @@ class ClusterConfig(Strict):
             if not any(mode in p.modes for p in self.pools.values()):
                 raise ValueError(f"router.default_mode: no pool serves mode {mode.value!r}")
         return self
+
+    def router_max_ongoing(self) -> int:
+        """Requests one router replica admits (`router.max_ongoing_requests`; unset, every pool's
+        capacity at its most replicas plus ROUTER_OWN_CALLS). Each router replica calls the pools
+        through its own handle, whose queue bound (a pool's max_queued_requests) raises the 429: a
+        router admitting less than that never reaches it, and a burst of long requests then waits at
+        the proxies until it times out instead of being turned away."""
+        if self.router.max_ongoing_requests is not None:
+            return self.router.max_ongoing_requests
+        return ROUTER_OWN_CALLS + sum(
+            p.max_ongoing_requests * (p.autoscaling.max_replicas if p.autoscaling else p.replicas)
+            + max(p.max_queued_requests, 0) for p in self.pools.values())
 
     def served_models(self) -> list[str]:
         """Target models that at least one pool serves (drafters are not served)."""

@@ -74,7 +74,12 @@ class RouterConfig(Strict):
         default_factory=dict, description=(
             "Custom Ray resources of one router replica, so it lands on the nodes that advertise them (e.g. "
             "{specserve_head: 0.01} with ray.head_resources {specserve_head: 1}). Empty: any node."))
-    max_ongoing_requests: int = Field(256, ge=1, description="Requests one router replica admits at once.")
+    max_ongoing_requests: Optional[int] = Field(
+        None, ge=1, description=(
+            "Requests one router replica admits at once. Unset: what its pools admit together (each pool's "
+            "max_ongoing_requests times its most replicas, plus max_queued_requests) and 64 for status and "
+            "model calls (`ClusterConfig.router_max_ongoing`), so a full pool answers 429 at once; set lower, "
+            "the router is the gate and excess requests wait at the proxies (max_queued_requests) instead."))
     max_queued_requests: int = Field(
         512, ge=-1, description="Requests queued at the proxies for the router before they answer 503 (-1: no bound)."
     )

@@ -80,3 +80,23 @@ def test_trust_remote_code_only_on_models_that_say_so():
     text = (CONFIGS / "gpu-example.yaml").read_text()
     before = text[:text.index("trust_remote_code: true")].rsplit("mimo-7b-rl:", 1)[1]
     assert "transformers" in before  # the reason is written beside it
+
+
+def test_the_router_admits_what_its_pools_admit_unless_told():
+    """Unset, a router replica admits every pool's capacity at its most replicas (so the pool's own
+    queue bound, which answers 429, is reachable) plus its own calls; a set value is kept."""
+    from cluster.config import ROUTER_OWN_CALLS
+
+    raw = yaml.safe_load(LOCAL_CPU.read_text())
+    cfg = parse_config(raw)
+    assert cfg.router.max_ongoing_requests is None
+    assert cfg.router_max_ongoing() == ROUTER_OWN_CALLS + (64 + 256) + (32 + 128)
+    raw["pools"]["ngram"]["autoscaling"] = {"min_replicas": 1, "max_replicas": 3}
+    assert parse_config(raw).router_max_ongoing() == ROUTER_OWN_CALLS + (3 * 64 + 256) + (32 + 128)
+    raw["pools"]["draft"]["max_queued_requests"] = -1  # unbounded: adds only what its replicas run
+    assert parse_config(raw).router_max_ongoing() == ROUTER_OWN_CALLS + (3 * 64 + 256) + 32
+    raw["router"]["max_ongoing_requests"] = 100
+    assert parse_config(raw).router_max_ongoing() == 100
+    raw["router"]["max_ongoing_requests"] = 0
+    with pytest.raises(ConfigError, match="max_ongoing_requests"):
+        parse_config(raw)

@@ -334,7 +334,7 @@ def router_deployment_options(config: ClusterConfig) -> dict[str, Any]:
     return dict(
         name="router",
         num_replicas=r.replicas,
-        max_ongoing_requests=r.max_ongoing_requests,
+        max_ongoing_requests=config.router_max_ongoing(),
         max_queued_requests=r.max_queued_requests,
         ray_actor_options={"num_cpus": 0, **({"resources": dict(r.resources)} if r.resources else {})},
     )

@@ -26,8 +26,11 @@ def test_overload_gets_429_and_admitted_requests_complete(cluster):
     pool = raw["pools"]["ngram"]
     capacity = pool["max_ongoing_requests"] + pool["max_queued_requests"]
     n = capacity * 2 + 40
-    body = {"messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 4,
-            "specserve": {"speculative": {"mode": "ngram", "k": 2}}}
+    # Admitted requests run for a while (48 tokens: five engine batches of 64 to drain, about a minute
+    # on two cores), so "turned away at once" is told apart from "turned away after the queue drained"
+    # by a wide margin; getting the burst in through the proxy and router takes seconds here.
+    body = {"messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 48, "ignore_eos": True,
+            "specserve": {"speculative": {"mode": "none"}}}
     rss_before = _rss_mb()
 
     async def run():
@@ -46,15 +49,17 @@ def test_overload_gets_429_and_admitted_requests_complete(cluster):
     ok = [(r, dt) for r, dt in results if r.status_code == 200]
     others = sorted({c for c in codes if c not in (200, 429)})
     print(f"overload: sent {n}, capacity {capacity}: 200={len(ok)} 429={len(rejected)} other={others}; "
-          f"rss {rss_before:.0f} -> {rss_after:.0f} MiB")
+          f"429 median {sorted(dt for _, dt in rejected)[len(rejected) // 2] if rejected else 0:.1f} s, "
+          f"last 200 at {max((dt for _, dt in ok), default=0):.1f} s; rss {rss_before:.0f} -> {rss_after:.0f} MiB")
     assert not others, f"unexpected statuses {others}"
     assert len(rejected) >= n - capacity - 40, "too few requests were turned away"
     assert len(ok) >= capacity // 2, "admitted requests did not complete"
     for r, _ in rejected:
         assert r.headers.get("retry-after"), "429 without a Retry-After hint"
         assert r.json()["error"]["code"] == "resource_exhausted"
-    # Rejections are quick: well before the admitted requests finish.
-    assert sorted(dt for _, dt in rejected)[len(rejected) // 2] < max(dt for _, dt in ok) / 2
+    # Rejections are quick: the median well before the admitted requests drain.
+    median = sorted(dt for _, dt in rejected)[len(rejected) // 2]
+    assert median < max(dt for _, dt in ok) / 3, (median, max(dt for _, dt in ok))
     assert all(r.json()["choices"][0]["message"]["content"] is not None for r, _ in ok)
     assert rss_after < rss_before + 1024, "memory grew by more than 1 GiB under overload"
     # Still serving afterwards.

@@ -39,3 +39,38 @@ async def chat_all(url: str, prompts: list[dict], spec: dict | None, max_tokens:
             async with sem:
                 return await chat(client, url, p["text"], max_tokens, spec, **extra)
         return await asyncio.gather(*[one(p) for p in prompts])
+
+
+async def open_connections(calls) -> None:
+    """Run `calls` (coroutines of one client, e.g. its /v1/models) at once, so that its pool holds that
+    many open connections before a timed phase. On a loaded CI machine a request that needed a new
+    connection reached the proxy seconds after one that reused a pooled connection (the proxy and
+    router handled both in milliseconds), so batches meant to run together did not."""
+    await asyncio.gather(*calls)
+
+
+async def wait_for_batch(client: httpx.AsyncClient, url: str, pool: str, fillers: list[asyncio.Future],
+                         at_least: int, timeout_s: float = 120.0) -> int:
+    """Wait until `pool`'s engine runs at least `at_least` requests, with `fillers` (the requests meant
+    to hold the batch) in flight. A filler that ends first (an error, or it finished) fails at once
+    with what it returned, not after the timeout; the timeout's message gives the counts seen."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    seen: list[int] = []
+    while True:
+        for f in fillers:
+            if f.done():
+                f.result()  # re-raises the filler's own error
+                raise AssertionError(f"a filler finished before the batch reached {at_least}: seen {seen[-20:]}")
+        status = (await client.get(f"{url}/v1/specserve/status", timeout=30)).json()
+        entry = status["pools"][pool]
+        assert "engine" in entry, f"the status has no engine report for {pool}: {entry}"
+        n = int(entry["engine"]["unfinished"])
+        if n >= at_least:
+            return n
+        if not seen or seen[-1] != n:
+            seen.append(n)
+        assert loop.time() < deadline, (
+            f"{pool}'s engine never ran {at_least} requests in {timeout_s:g} s: counts seen {seen[-20:]}, "
+            f"last report {entry}")
+        await asyncio.sleep(0.05)

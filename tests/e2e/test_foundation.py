@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.helpers import chat, chat_all, dev_prompts
+from tests.e2e.helpers import chat, chat_all, dev_prompts, open_connections, wait_for_batch
 
 # A prompt whose answer copies it: n-gram lookup drafts deep on it.
 COPY_PROMPT = ("Repeat the following paragraph word for word: The quick brown fox jumps over the lazy dog. "
@@ -184,10 +184,6 @@ def test_above_the_pools_batch_bound_router_requests_decode_plainly(cluster):
     bound = cluster.raw["pools"]["ngram"]["step_k_max_batch"]
     filler_text = "Write a long story about a lighthouse keeper and the sea, with many details."
 
-    async def unfinished(client) -> int:
-        status = (await client.get(f"{cluster.http_url}/v1/specserve/status", timeout=30)).json()
-        return int(status["pools"]["ngram"]["engine"]["unfinished"])
-
     async def timed(coro):
         r = await coro
         return r["specserve"], time.monotonic()
@@ -195,13 +191,11 @@ def test_above_the_pools_batch_bound_router_requests_decode_plainly(cluster):
     async def run():
         async with httpx.AsyncClient() as client:
             alone = (await chat(client, cluster.http_url, COPY_PROMPT, 64))["specserve"]
+            await open_connections([client.get(f"{cluster.http_url}/v1/models") for _ in range(bound + 8)])
             fillers = [asyncio.ensure_future(timed(chat(client, cluster.http_url, filler_text, 160,
                                                         {"mode": "ngram", "k": 0}, ignore_eos=True)))
                        for _ in range(bound + 1)]
-            deadline = time.monotonic() + 60
-            while await unfinished(client) <= bound:
-                assert time.monotonic() < deadline, "the plain requests never filled the engine"
-                await asyncio.sleep(0.05)
+            await wait_for_batch(client, cluster.http_url, "ngram", fillers, bound + 1)
             copies = await asyncio.gather(*(timed(chat(client, cluster.http_url, COPY_PROMPT, 64))
                                             for _ in range(4)))
             return alone, copies, await asyncio.gather(*fillers)
@@ -267,17 +261,11 @@ def test_under_load_streamed_tokens_come_in_chunks_that_follow_the_batch(cluster
                 await client.generate(**{**kwargs, "prompt": "Write a long story about the sea.", "max_tokens": 200})
                 return time.monotonic()
 
-            async def unfinished() -> int:
-                status = (await plain.get(f"{cluster.http_url}/v1/specserve/status", timeout=30)).json()
-                return int(status["pools"]["ngram"]["engine"]["unfinished"])
-
             whole = await client.generate(**kwargs)
             alone = await streamed()
+            await open_connections([client.models() for _ in range(held + 4)])
             fillers = [asyncio.ensure_future(filler()) for _ in range(held)]
-            deadline = time.monotonic() + 60
-            while await unfinished() < held:
-                assert time.monotonic() < deadline, "the plain requests never filled the engine"
-                await asyncio.sleep(0.05)
+            await wait_for_batch(plain, cluster.http_url, "ngram", fillers, held)
             crowd = await asyncio.gather(*(streamed() for _ in range(4)))
             crowd_end = time.monotonic()
             return whole, alone, crowd, crowd_end, await asyncio.gather(*fillers)

@@ -84,9 +84,10 @@ def _serve_applications(config_path: str, timeout_s: float) -> dict:
     "nodes": Ray's nodes and the custom resources they advertise} from the running cluster's Ray,
     or {"ray": why not}, within `timeout_s` (Ray's own attach retries for minutes)."""
     from cluster.config import load_config
-    from cluster.ops.placement import ray_attach_env
+    from cluster.ops.placement import ray_attach_env, read_ray_address
 
-    os.environ.update(ray_attach_env(load_config(config_path), os.environ))  # before `import ray`
+    config = load_config(config_path)
+    os.environ.update(ray_attach_env(config, os.environ, read_ray_address(config)))  # before `import ray`
     answer: list[dict] = []  # the attach thread's one result, appended whole
 
     def attach() -> None:

@@ -54,12 +54,12 @@ def _is_loopback(host: Optional[str]) -> bool:
     return bool(host) and (host == "localhost" or host == "::1" or host.startswith("127."))
 
 
-def ray_attach_env(config: ClusterConfig, environ: dict) -> dict[str, str]:
+def ray_attach_env(config: ClusterConfig, environ: dict, record: Optional[dict] = None) -> dict[str, str]:
     """Environment for a client process that attaches to the running cluster's Ray (`specserve
     status`), set before `import ray`: the loopback switch when that Ray listens on loopback (the
     local default), since without it Ray dials the machine's routable address, where nothing listens;
-    and, unless the caller names a Ray, RAY_ADDRESS and the auth mode `specserve up` recorded for
-    this config (`ray_address_file`).
+    and, unless the caller or the config names a Ray, RAY_ADDRESS and the auth mode of `record`
+    (what `specserve up` recorded for this config: `read_ray_address`).
 
     >>> from cluster.config import load_config
     >>> local = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "local-cpu.yaml"))
@@ -69,8 +69,11 @@ def ray_attach_env(config: ClusterConfig, environ: dict) -> dict[str, str]:
     {}
     >>> ray_attach_env(local, {"RAY_ADDRESS": "127.0.0.1:6379"})
     {'RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER': '0'}
+    >>> ray_attach_env(local, {}, {"gcs": "127.0.0.1:41234", "auth_mode": "token"})["RAY_ADDRESS"]
+    '127.0.0.1:41234'
     """
-    record = None if environ.get("RAY_ADDRESS") or config.ray.address else read_ray_address(config)
+    if environ.get("RAY_ADDRESS") or config.ray.address:
+        record = None
     address = environ.get("RAY_ADDRESS") or config.ray.address or (record or {}).get("gcs")
     if address and address != "auto":
         host = address.split("://")[-1].rsplit(":", 1)[0].strip("[]")

@@ -111,6 +111,7 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
         hold_signals_while_stopping()
         print("[specserve] start-up did not finish: stopping what was started", file=sys.stderr)
         stop_cluster(redis_handle, forwarder, nodes)
+        forget_ray_address(config)
         raise
     return config, redis_handle, forwarder, nodes
 
@@ -127,6 +128,17 @@ def _record_ray_address(config, gcs_address) -> None:
         path.write_text(ray_address_record(gcs_address, os.environ) + "\n")  # after ray.init: its auth mode
     except OSError as e:  # status falls back to Ray's "auto"
         log.warning("could not record the Ray address in %s: %s", path, e)
+
+
+def forget_ray_address(config) -> None:
+    """Remove the record `_record_ray_address` wrote, once its Ray is stopped: `specserve status
+    --config` then attaches to no stale address, and records of stopped clusters do not pile up."""
+    from cluster.ops.placement import ray_address_file
+
+    try:
+        ray_address_file(config).unlink(missing_ok=True)
+    except OSError as e:
+        log.warning("could not remove the Ray address record: %s", e)
 
 
 def _start_local_nodes(config, ctx):
@@ -349,6 +361,7 @@ def cmd_up(args) -> int:
         print("[specserve] stopping")
         hold_signals_while_stopping()
         stop_cluster(redis_handle, forwarder, nodes)
+        forget_ray_address(config)
         return 0
     finally:
         left = reaper.reap_descendants()

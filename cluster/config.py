@@ -316,6 +316,16 @@ class PoolConfig(Strict):
         return self
 
     @property
+    def least_replicas(self) -> int:
+        """Replicas the pool runs at its smallest (autoscaling's min_replicas, else replicas)."""
+        return self.autoscaling.min_replicas if self.autoscaling else self.replicas
+
+    @property
+    def most_replicas(self) -> int:
+        """Replicas the pool runs at its largest (autoscaling's max_replicas, else replicas)."""
+        return self.autoscaling.max_replicas if self.autoscaling else self.replicas
+
+    @property
     def uses_step_k(self) -> bool:
         """Whether policy-decided requests get their K per step in the engine (`step_k`)."""
         return self.step_k and self.max_k > 0 and self.method not in (SpecMode.NONE, SpecMode.REMOTE_DRAFT)
@@ -389,7 +399,7 @@ class ClusterConfig(Strict):
         if self.router.max_ongoing_requests is not None:
             return self.router.max_ongoing_requests
         return ROUTER_OWN_CALLS + sum(
-            p.max_ongoing_requests * (p.autoscaling.max_replicas if p.autoscaling else p.replicas)
+            p.max_ongoing_requests * p.most_replicas
             + max(p.max_queued_requests, 0) for p in self.pools.values())
 
     def served_models(self) -> list[str]:

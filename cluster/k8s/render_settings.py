@@ -178,7 +178,7 @@ def placement_errors(cfg: ClusterConfig, settings: RenderSettings) -> list[str]:
                     errors.append(f"{where}: bundle {b} fits no pod of {_shapes(nodes)}")
             if pool.placement_strategy == "STRICT_SPREAD" and len(pool.bundles) > sum(n for *_, n in nodes):
                 errors.append(f"{where}: STRICT_SPREAD needs {len(pool.bundles)} pods")
-        most = pool.autoscaling.max_replicas if pool.autoscaling else pool.replicas
+        most = pool.most_replicas
         for r, amount in _sum(pool.bundles).items():
             demand[r] = demand.get(r, 0.0) + most * amount
     errors += _drafter_placement_errors(cfg, nodes, demand)

@@ -347,7 +347,7 @@ def required_resources(config: ClusterConfig) -> dict[str, float]:
     """Sum of the bundles of every engine replica at its minimum count (for capacity checks)."""
     total: dict[str, float] = {}
     for pool in config.pools.values():
-        n = pool.autoscaling.min_replicas if pool.autoscaling else pool.replicas
+        n = pool.least_replicas
         for b in pool.bundles:
             for res, amount in b.items():
                 total[res] = total.get(res, 0.0) + n * amount

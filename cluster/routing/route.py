@@ -68,7 +68,7 @@ def pool_views(config: ClusterConfig) -> list[PoolView]:
     return [
         PoolView(
             name=name, model=p.model, method=p.method, max_k=p.max_k,
-            replicas=p.autoscaling.min_replicas if p.autoscaling else p.replicas,
+            replicas=p.least_replicas,
             max_ongoing_requests=p.max_ongoing_requests, hardware_group=p.hardware_group,
             prior_alpha=tuple(sorted(p.prior_alpha.items())),
             prior_draft_cost=(p.prior_draft_cost.per_step, p.prior_draft_cost.per_token)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 
@@ -41,36 +42,62 @@ async def chat_all(url: str, prompts: list[dict], spec: dict | None, max_tokens:
         return await asyncio.gather(*[one(p) for p in prompts])
 
 
-async def open_connections(calls) -> None:
-    """Run `calls` (coroutines of one client, e.g. its /v1/models) at once, so that its pool holds that
-    many open connections before a timed phase. On a loaded CI machine a request that needed a new
-    connection reached the proxy seconds after one that reused a pooled connection (the proxy and
-    router handled both in milliseconds), so batches meant to run together did not."""
-    await asyncio.gather(*calls)
+@contextlib.asynccontextmanager
+async def held_batch(url: str, pool: str, n: int, spec: dict, timeout_s: float = 120.0):
+    """Hold `pool`'s engine batch at `n` or more: `n` plain streamed requests (1,500 tokens, ignore_eos)
+    that each have a token before the body runs, so all run in the engine together. The body gets
+    their tasks; one that is done has ended early (check `held_batch_intact`). On exit the streams
+    hang up, which aborts them in vLLM, and the engine is back to no requests.
+
+    Long streams, not requests of a set length: on a loaded CI machine some requests reached the Ray
+    proxy seconds after others sent with them, so fillers of a few seconds' work were done before
+    the last one started, and the batch the test meant to build was not built."""
+    body = {"messages": [{"role": "user", "content": "Write a long story about the sea."}],
+            "max_tokens": 1500, "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "specserve": {"speculative": spec}}
+    started = [asyncio.Event() for _ in range(n)]
+
+    async def one(client: httpx.AsyncClient, first: asyncio.Event) -> None:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+            assert r.status_code == 200, (await r.aread()).decode()
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and '"token_ids":[]' not in line:
+                    first.set()
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=n + 4)) as client:
+        tasks = [asyncio.ensure_future(one(client, ev)) for ev in started]
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout_s
+            while not all(ev.is_set() for ev in started):
+                for t in tasks:
+                    if t.done():
+                        t.result()  # re-raises the filler's own error
+                        raise AssertionError("a filler stream ended before every filler had a token")
+                assert loop.time() < deadline, (
+                    f"only {sum(ev.is_set() for ev in started)} of {n} filler streams had a token in {timeout_s:g} s")
+                await asyncio.sleep(0.05)
+            yield tasks
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    await engine_idle(url, pool)
 
 
-async def wait_for_batch(client: httpx.AsyncClient, url: str, pool: str, fillers: list[asyncio.Future],
-                         at_least: int, timeout_s: float = 120.0) -> int:
-    """Wait until `pool`'s engine runs at least `at_least` requests, with `fillers` (the requests meant
-    to hold the batch) in flight. A filler that ends first (an error, or it finished) fails at once
-    with what it returned, not after the timeout; the timeout's message gives the counts seen."""
+def held_batch_intact(tasks: list[asyncio.Future]) -> bool:
+    """Whether every filler of `held_batch` still runs."""
+    return not any(t.done() for t in tasks)
+
+
+async def engine_idle(url: str, pool: str, timeout_s: float = 60.0) -> None:
+    """Wait until `pool`'s engine runs no request (hung-up streams are aborted in vLLM)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    seen: list[int] = []
-    while True:
-        for f in fillers:
-            if f.done():
-                f.result()  # re-raises the filler's own error
-                raise AssertionError(f"a filler finished before the batch reached {at_least}: seen {seen[-20:]}")
-        status = (await client.get(f"{url}/v1/specserve/status", timeout=30)).json()
-        entry = status["pools"][pool]
-        assert "engine" in entry, f"the status has no engine report for {pool}: {entry}"
-        n = int(entry["engine"]["unfinished"])
-        if n >= at_least:
-            return n
-        if not seen or seen[-1] != n:
-            seen.append(n)
-        assert loop.time() < deadline, (
-            f"{pool}'s engine never ran {at_least} requests in {timeout_s:g} s: counts seen {seen[-20:]}, "
-            f"last report {entry}")
-        await asyncio.sleep(0.05)
+    async with httpx.AsyncClient() as client:
+        while True:
+            entry = (await client.get(f"{url}/v1/specserve/status", timeout=30)).json()["pools"][pool]
+            if int(entry["engine"]["unfinished"]) == 0:
+                return
+            assert loop.time() < deadline, f"{pool}'s engine still runs requests: {entry}"
+            await asyncio.sleep(0.25)

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.helpers import chat, chat_all, dev_prompts, open_connections, wait_for_batch
+from tests.e2e.helpers import chat, chat_all, dev_prompts, held_batch, held_batch_intact
 
 # A prompt whose answer copies it: n-gram lookup drafts deep on it.
 COPY_PROMPT = ("Repeat the following paragraph word for word: The quick brown fox jumps over the lazy dog. "
@@ -178,36 +178,25 @@ def test_above_the_pools_batch_bound_router_requests_decode_plainly(cluster):
     """`step_k_max_batch`: router-decided copies that run in a batch above it verify (almost) no
     drafts, where the same copy alone drafts deep, and the greedy text is the same.
 
-    The batch is held above the bound by plain requests (K = 0, 160 tokens, ignore_eos) on the same
-    engine, started first: copies sent at once do not reliably run together, since one that reaches
-    the engine a little early drafts in a small batch and is done in a fraction of a second."""
+    The batch is held above the bound by plain streams on the same engine (`held_batch`), started
+    first: copies sent at once do not reliably run together, since one that reaches the engine a
+    little early drafts in a small batch and is done in a fraction of a second."""
     bound = cluster.raw["pools"]["ngram"]["step_k_max_batch"]
-    filler_text = "Write a long story about a lighthouse keeper and the sea, with many details."
-
-    async def timed(coro):
-        r = await coro
-        return r["specserve"], time.monotonic()
 
     async def run():
         async with httpx.AsyncClient() as client:
             alone = (await chat(client, cluster.http_url, COPY_PROMPT, 64))["specserve"]
-            await open_connections([client.get(f"{cluster.http_url}/v1/models") for _ in range(bound + 8)])
-            fillers = [asyncio.ensure_future(timed(chat(client, cluster.http_url, filler_text, 160,
-                                                        {"mode": "ngram", "k": 0}, ignore_eos=True)))
-                       for _ in range(bound + 1)]
-            await wait_for_batch(client, cluster.http_url, "ngram", fillers, bound + 1)
-            copies = await asyncio.gather(*(timed(chat(client, cluster.http_url, COPY_PROMPT, 64))
-                                            for _ in range(4)))
-            return alone, copies, await asyncio.gather(*fillers)
+            async with held_batch(cluster.http_url, "ngram", bound + 1, {"mode": "ngram", "k": 0}) as fillers:
+                copies = await asyncio.gather(*(chat(client, cluster.http_url, COPY_PROMPT, 64) for _ in range(4)))
+                intact = held_batch_intact(fillers)
+            return alone, [c["specserve"] for c in copies], intact
 
-    alone, copies, fillers = asyncio.run(run())
-    assert all(f["drafted"] == 0 and f["mode"] == "none" for f, _ in fillers)
-    # The plain requests were all still running when the last copy ended: every copy ran above the bound.
-    assert max(end for _, end in copies) < min(end for _, end in fillers), "the engine's batch fell to the bound"
+    alone, copies, intact = asyncio.run(run())
+    assert intact, "the engine's batch fell to the bound before the copies ended"
     assert alone["drafted"] >= 20, alone
-    assert all(c["token_ids"] == alone["token_ids"] for c, _ in copies), "greedy text changed"
-    assert all(c["decided_by"] == "policy" and c["mode"] == "ngram" for c, _ in copies)
-    assert sum(c["drafted"] for c, _ in copies) < 0.25 * len(copies) * alone["drafted"], [c["drafted"] for c, _ in copies]
+    assert all(c["token_ids"] == alone["token_ids"] for c in copies), "greedy text changed"
+    assert all(c["decided_by"] == "policy" and c["mode"] == "ngram" for c in copies)
+    assert sum(c["drafted"] for c in copies) < 0.25 * len(copies) * alone["drafted"], [c["drafted"] for c in copies]
 
 
 def test_engines_run_at_normal_priority(cluster):
@@ -243,8 +232,8 @@ def test_under_load_streamed_tokens_come_in_chunks_that_follow_the_batch(cluster
     in one engine get their tokens a few at a time (the first alone, at once), the same tokens a lone
     non-streamed request gets; one stream alone gets one chunk per engine output.
 
-    The batch is held by plain non-streamed requests (200 tokens, ignore_eos) started first, as in
-    the batch-bound test: streams sent at once do not reliably run together."""
+    The batch is held by plain streams started first (`held_batch`), as in the batch-bound test:
+    streams sent at once do not reliably run together."""
     from cluster.client import AsyncSpecServeClient, collect_stream
 
     kwargs = dict(prompt="Write a long story about a lighthouse keeper.", max_tokens=48, temperature=0.0,
@@ -252,28 +241,22 @@ def test_under_load_streamed_tokens_come_in_chunks_that_follow_the_batch(cluster
     held = 12
 
     async def run():
-        async with AsyncSpecServeClient(cluster.http_url) as client, httpx.AsyncClient() as plain:
+        async with AsyncSpecServeClient(cluster.http_url) as client:
             async def streamed():
                 t = time.perf_counter()
                 return collect_stream([c async for c in client.generate_stream(**kwargs)], t)
 
-            async def filler():
-                await client.generate(**{**kwargs, "prompt": "Write a long story about the sea.", "max_tokens": 200})
-                return time.monotonic()
-
             whole = await client.generate(**kwargs)
             alone = await streamed()
-            await open_connections([client.models() for _ in range(held + 4)])
-            fillers = [asyncio.ensure_future(filler()) for _ in range(held)]
-            await wait_for_batch(plain, cluster.http_url, "ngram", fillers, held)
-            crowd = await asyncio.gather(*(streamed() for _ in range(4)))
-            crowd_end = time.monotonic()
-            return whole, alone, crowd, crowd_end, await asyncio.gather(*fillers)
+            async with held_batch(cluster.http_url, "ngram", held, {"mode": "none"}) as fillers:
+                crowd = await asyncio.gather(*(streamed() for _ in range(4)))
+                intact = held_batch_intact(fillers)
+            return whole, alone, crowd, intact
 
-    whole, alone, crowd, crowd_end, filler_ends = asyncio.run(run())
+    whole, alone, crowd, intact = asyncio.run(run())
     assert len(whole.token_ids) == 48
     assert alone.token_ids == whole.token_ids and alone.chunk_tokens == [1] * 48
-    assert crowd_end < min(filler_ends), "the held batch ended before the streams did"
+    assert intact, "the held batch ended before the streams did"
     assert all(r.token_ids == whole.token_ids for r in crowd), "streamed tokens differ from the unary request's"
     assert all(r.chunk_tokens[0] == 1 for r in crowd), [r.chunk_tokens[:3] for r in crowd]
     chunk_counts = [len(r.chunk_tokens) for r in crowd]

@@ -4,7 +4,9 @@ replica's `__call__` as a Starlette request.
 
 A mixin of `deployments.router.Router`: the methods read the router's state (`bounds`, `config`,
 `complete`, `_stream`, `_authenticate`, `models_json`, `status`) and answer every `ApiError` with
-its HTTP status, Retry-After or WWW-Authenticate header, and an OpenAI error body.
+its HTTP status, Retry-After or WWW-Authenticate header, and an OpenAI error body. Paths are matched
+by Starlette's routes (`ROUTES`), after the caller's key is checked and a trailing slash dropped: a
+known path with another method is 405 with an Allow header, an unknown one 404, both naming `path`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ import asyncio
 import json
 import time
 from contextlib import aclosing
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional, Sequence
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Match, Route
 
 from cluster.api.auth import bearer_from_http
 from cluster.api.types import (ApiError, ErrorCode, GenerateRequest, body_too_large, check_json_content_type,
@@ -26,36 +32,36 @@ from cluster.routing.deadline import body_expired
 class HttpDoor:
     """The HTTP methods of the router (see module doc)."""
 
-    async def __call__(self, request):  # starlette.requests.Request
-        from starlette.responses import JSONResponse, StreamingResponse
-
-        path = request.url.path.rstrip("/")
+    async def __call__(self, request: Request):
         deadline_s = self.bounds.deadline(time.monotonic())  # the body's read counts against it
         try:
             client = client_id(self._authenticate(bearer_from_http(request.headers)), request.client)
-            if path == "/v1/models" and request.method == "GET":
-                return JSONResponse(self.models_json())
-            if path in ("/v1/completions", "/v1/chat/completions") and request.method == "POST":
-                chat = path.endswith("chat/completions")
-                check_json_content_type(request.headers.get("content-type"))
-                try:
-                    body = json.loads(await self._read_body(request, deadline_s))
-                except (ValueError, UnicodeDecodeError, RecursionError) as e:
-                    raise ApiError(ErrorCode.INVALID_ARGUMENT, f"body: not valid JSON ({e})", field="body") from None
-                req = from_openai(body, chat=chat)
-                if req.stream:
-                    stream = self._sse(req, chat, client, deadline_s)
-                    first = await stream.__anext__()  # validation, routing and overload errors -> HTTP codes
-                    return StreamingResponse(_prepend(first, stream), media_type="text/event-stream")
-                return JSONResponse(openai_response(await self.complete(req, client, deadline_s), chat))
-            if path == "/v1/specserve/status" and request.method == "GET":
-                return JSONResponse(await self.status())
-            raise ApiError(ErrorCode.NOT_FOUND, f"no route {request.method} {path}", field="path")
+            route, allowed = match_route(request)
+            if route is None:
+                return error_response(route_error(request, allowed), allow=allowed)
+            return await route.endpoint(self, request, client, deadline_s)
         except ApiError as e:
-            headers = {"Retry-After": str(max(1, round(e.retry_after_s)))} if e.retry_after_s else None
-            if e.code is ErrorCode.UNAUTHENTICATED:
-                headers = {"WWW-Authenticate": 'Bearer realm="specserve"'}
-            return JSONResponse(e.to_openai(), status_code=e.code.http_status, headers=headers)
+            return error_response(e)
+
+    async def _models(self, request: Request, client: str, deadline_s: float) -> JSONResponse:
+        return JSONResponse(self.models_json())
+
+    async def _status_route(self, request: Request, client: str, deadline_s: float) -> JSONResponse:
+        return JSONResponse(await self.status())
+
+    async def _generate(self, request: Request, client: str, deadline_s: float):
+        chat = _route_path(request).endswith("chat/completions")
+        check_json_content_type(request.headers.get("content-type"))
+        try:
+            body = json.loads(await self._read_body(request, deadline_s))
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise ApiError(ErrorCode.INVALID_ARGUMENT, f"body: not valid JSON ({e})", field="body") from None
+        req = from_openai(body, chat=chat)
+        if req.stream:
+            stream = self._sse(req, chat, client, deadline_s)
+            first = await stream.__anext__()  # validation, routing and overload errors -> HTTP codes
+            return StreamingResponse(_prepend(first, stream), media_type="text/event-stream")
+        return JSONResponse(openai_response(await self.complete(req, client, deadline_s), chat))
 
     async def _read_body(self, request, deadline_s: float) -> bytes:
         """The request's body, read up to api.limits.max_body_bytes: 413 from its Content-Length
@@ -101,3 +107,49 @@ async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
     async with aclosing(rest):
         async for item in rest:
             yield item
+
+
+ROUTES = (
+    Route("/v1/models", HttpDoor._models, methods=["GET"]),
+    Route("/v1/completions", HttpDoor._generate, methods=["POST"]),
+    Route("/v1/chat/completions", HttpDoor._generate, methods=["POST"]),
+    Route("/v1/specserve/status", HttpDoor._status_route, methods=["GET"]),
+)
+
+
+def _route_path(request: Request) -> str:
+    return request.url.path.rstrip("/") or "/"
+
+
+def match_route(request: Request) -> tuple[Optional[Route], list[str]]:
+    """The route of `request` (its path without a trailing slash), else None and the methods its path
+    takes (none: no such path)."""
+    scope = {**request.scope, "path": _route_path(request), "root_path": ""}
+    allowed: list[str] = []
+    for route in ROUTES:
+        match, _ = route.matches(scope)
+        if match is Match.FULL:
+            return route, []
+        if match is Match.PARTIAL:
+            allowed += sorted(route.methods or ())
+    return None, allowed
+
+
+def route_error(request: Request, allowed: list[str]) -> ApiError:
+    """404 for a path with no route, 405 for a route's path with another method; both name `path`."""
+    path = _route_path(request)
+    if allowed:
+        return ApiError(ErrorCode.METHOD_NOT_ALLOWED, f"path: {path} takes {', '.join(allowed)}, not {request.method}",
+                        field="path")
+    return ApiError(ErrorCode.NOT_FOUND, f"no route {request.method} {path}", field="path")
+
+
+def error_response(e: ApiError, allow: Sequence[str] = ()) -> JSONResponse:
+    """An OpenAI error body with the error's HTTP status and its Retry-After, WWW-Authenticate or
+    Allow header."""
+    headers = {"Retry-After": str(max(1, round(e.retry_after_s)))} if e.retry_after_s else {}
+    if e.code is ErrorCode.UNAUTHENTICATED:
+        headers = {"WWW-Authenticate": 'Bearer realm="specserve"'}
+    if allow:
+        headers["Allow"] = ", ".join(allow)
+    return JSONResponse(e.to_openai(), status_code=e.code.http_status, headers=headers or None)

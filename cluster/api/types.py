@@ -33,6 +33,7 @@ class ErrorCode(enum.Enum):
     UNSUPPORTED_MEDIA_TYPE = ("INVALID_ARGUMENT", 415, "invalid_request_error")  # HTTP only: not JSON
     UNAUTHENTICATED = ("UNAUTHENTICATED", 401, "authentication_error")
     NOT_FOUND = ("NOT_FOUND", 404, "not_found_error")
+    METHOD_NOT_ALLOWED = ("UNIMPLEMENTED", 405, "invalid_request_error")  # HTTP only: a route, another method
     RESOURCE_EXHAUSTED = ("RESOURCE_EXHAUSTED", 429, "rate_limit_error")
     CANCELLED = ("CANCELLED", 499, "cancelled")
     INTERNAL = ("INTERNAL", 500, "internal_error")

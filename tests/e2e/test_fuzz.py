@@ -84,9 +84,12 @@ def _http_expect(router: Router, method: str, path: str, body: bytes,
     """Mirror of Router.__call__'s dispatch, with the content type, size limit and JSON parsing the
     router documents."""
     path = path.split("?")[0].rstrip("/")
-    if method == "GET" and path in ("/v1/models", "/v1/specserve/status"):
-        return Expect(ok=True)
-    if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
+    wrong_method = Expect(ok=False, status=405, grpc_code="UNIMPLEMENTED", field="path")
+    if path in ("/v1/models", "/v1/specserve/status"):
+        return Expect(ok=True) if method in ("GET", "HEAD") else wrong_method
+    if path in ("/v1/completions", "/v1/chat/completions") and method != "POST":
+        return wrong_method
+    if path in ("/v1/completions", "/v1/chat/completions"):
         def parse():
             check_json_content_type(content_type)
             if len(body) > router.config.api.limits.max_body_bytes:

@@ -13,10 +13,15 @@ from typing import Any, Optional
 
 from ray import serve
 
+from cluster.api.auth import ApiKeyStore
+from cluster.autoscale.ray_policy import AutoscaleRecords
 from cluster.config import ClusterConfig, DrafterDeploymentConfig, PoolConfig, load_config, parse_config
+from cluster.ops import logsafe, models  # by module: tests replace their functions
+from cluster.ops.metrics import RouterMetrics
 from cluster.ops.placement import (
     cpu_engine_env, drafter_deployment_options, engine_deployment_options, router_deployment_options, used_drafters,
 )
+from cluster.routing.classifier import classify
 from deployments.drafter import DrafterServer
 from deployments.engine import EngineServer
 from deployments.router import Router
@@ -28,12 +33,9 @@ class EngineReplica(EngineServer):
     """EngineServer that prepares its own model files on the node it lands on (cached per node)."""
 
     def __init__(self, pool_name: str, pool: PoolConfig, config: ClusterConfig, drafter: Any = None):
-        from cluster.ops.logsafe import setup_replica_logging
-        from cluster.ops.models import resolve_model
-
-        setup_replica_logging()
-        model_path = resolve_model(pool.model, config)
-        drafter_path = resolve_model(pool.drafter, config) if pool.drafter else None
+        logsafe.setup_replica_logging()
+        model_path = models.resolve_model(pool.model, config)
+        drafter_path = models.resolve_model(pool.drafter, config) if pool.drafter else None
 
         async def drafter_endpoint() -> str:  # `drafter`: the Serve handle of the pool's remote drafter
             return await drafter.endpoint.remote()
@@ -48,11 +50,8 @@ class DrafterReplica(DrafterServer):
     """DrafterServer that prepares its draft model on the node it lands on (cached per node)."""
 
     def __init__(self, name: str, d: DrafterDeploymentConfig, config: ClusterConfig):
-        from cluster.ops.logsafe import setup_replica_logging
-        from cluster.ops.models import resolve_model
-
-        setup_replica_logging()
-        super().__init__(name, resolve_model(d.model, config), dtype=config.models[d.model].dtype,
+        logsafe.setup_replica_logging()
+        super().__init__(name, models.resolve_model(d.model, config), dtype=config.models[d.model].dtype,
                          max_sequences=d.max_sequences, idle_ttl_s=d.idle_ttl_s, max_context=d.max_context,
                          port=d.port, num_threads=max(int(d.resources.get("CPU", 1)), 1), max_k=d.max_k,
                          wire=d.wire.model_dump())
@@ -62,13 +61,8 @@ class RouterReplica(Router):
     """Router with its I/O dependencies (tuning store in Redis, classifier) built in the replica."""
 
     def __init__(self, config: ClusterConfig, engines: dict[str, Any]):
-        from cluster.api.auth import ApiKeyStore
-        from cluster.ops.logsafe import setup_replica_logging
-
-        setup_replica_logging()
+        logsafe.setup_replica_logging()
         auth = ApiKeyStore.from_config(config.auth) if config.auth.enabled else None
-        from cluster.ops.metrics import RouterMetrics
-
         metrics = RouterMetrics()
         super().__init__(config, engines, tuning=_make_tuning(config, on_malformed=metrics.tuning_key_ignored,
                                                               on_redis_error=metrics.tuning_redis_error),
@@ -79,8 +73,6 @@ class RouterReplica(Router):
 
 def _make_autoscale(config: ClusterConfig, **kwargs):
     """Reader of the goodput autoscaler's records, for the pools it decides (None if none does)."""
-    from cluster.autoscale.ray_policy import AutoscaleRecords
-
     pools = [n for n, p in config.pools.items() if p.autoscaling is not None and p.autoscaling.policy == "goodput"]
     return AutoscaleRecords(config.redis.model_dump(mode="json"), pools, **kwargs) if pools else None
 
@@ -92,8 +84,6 @@ def _make_tuning(config: ClusterConfig, **kwargs):
 
 
 def _make_classifier():
-    from cluster.routing.classifier import classify
-
     return lambda prompt, messages: classify(text=prompt, messages=messages)
 
 

@@ -16,6 +16,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from cluster.autoscale.policy import LatencyWindow
 from cluster.engine.coalesce import flush
+from cluster.engine.remote_proposer import (
+    PROPOSER_CLS_PATH, REMOTE_CONFIG_KEY, WORKER_EXTENSION_PATH, public_drafter_status,
+)
 from cluster.config import PoolConfig
 from cluster.ops.placement import platform_engine_kwargs
 from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP, SpecMode, SpecStats, accepted_runs
@@ -92,8 +95,6 @@ def speculative_config(pool: PoolConfig, drafter_path: Optional[str]) -> Optiona
     if pool.method == SpecMode.NONE:
         return None
     if pool.method == SpecMode.REMOTE_DRAFT:  # vLLM loads our proposer; the drafter is another deployment
-        from cluster.engine.remote_proposer import PROPOSER_CLS_PATH
-
         return {"method": "custom_class", "model": PROPOSER_CLS_PATH, "num_speculative_tokens": pool.max_k}
     cfg: dict[str, Any] = {"method": pool.method.value, "num_speculative_tokens": pool.max_k}
     if pool.method == SpecMode.NGRAM:
@@ -128,8 +129,6 @@ def engine_kwargs(
         enable_log_requests=False,
     )
     if pool.method == SpecMode.REMOTE_DRAFT:
-        from cluster.engine.remote_proposer import REMOTE_CONFIG_KEY, WORKER_EXTENSION_PATH
-
         kwargs["worker_extension_cls"] = WORKER_EXTENSION_PATH  # the replica hands the proposer its drafter
         kwargs["additional_config"][ADDITIONAL_CONFIG_KEY][REMOTE_CONFIG_KEY] = {
             "timeout_s": pool.remote_timeout_s, "reprobe_s": pool.remote_reprobe_s,
@@ -347,8 +346,6 @@ class EngineServer:
             **({"engine_dead": True} if self._dead is not None else {}),
         }
         if self.pool.method == SpecMode.REMOTE_DRAFT and self._dead is None:
-            from cluster.engine.remote_proposer import public_drafter_status
-
             try:
                 out["remote_drafter"] = public_drafter_status(await self.drafter_status())
             except TimeoutError as e:  # the load report stays cheap and answers

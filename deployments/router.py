@@ -21,8 +21,9 @@ from typing import Any, AsyncIterator, Callable, Optional
 from cluster.api.auth import AUTH_ERROR_MESSAGE, ApiKeyStore
 from cluster.api.types import ApiError, ErrorCode, GenerateRequest, check_prompt_size
 from cluster.api.wire import Completion
+from cluster.autoscale.policy import with_capacity
 from cluster.config import ClusterConfig
-from cluster.policy import class_model, load_bucket
+from cluster.policy import class_model, k_cap_table, load_bucket
 from cluster.policy.teaching import Lesson, Teacher
 from cluster.routing.deadline import Bounds
 from cluster.routing.route import (Decision, LoadMeter, PoolView, cap_at_admission, decision_summary, growth_rule,
@@ -95,8 +96,6 @@ class Router(HttpDoor, GrpcDoor):
         load = pool_load(self.inflight, self.engine_load, time.monotonic(), LOAD_REPORT_MAX_AGE_S, self.finished)
         views = list(self.views.values())
         if self.autoscale is not None:  # the replicas the autoscaler decided, a starting scale-up included
-            from cluster.autoscale.policy import with_capacity
-
             views = with_capacity(views, self.autoscale.records(), time.time())
         return [v for v in with_load(views, load) if v.model == model]
 
@@ -204,8 +203,6 @@ class Router(HttpDoor, GrpcDoor):
         now = time.monotonic()
         cached = self._caps.get(pool_name)
         if cached is None or now - cached[0] > max_age_s:
-            from cluster.policy import k_cap_table
-
             pool = self.views[pool_name]  # the config's priors, as the policy reads them (routing.pool_views)
             cached = (now, k_cap_table(pool.method.value, pool.max_k, self.tuning.snapshot(model),
                                        priors=pool.prior_alpha, draft_cost=pool.prior_draft_cost))

@@ -12,7 +12,9 @@ from typing import Any
 
 from cluster.api.types import ApiError, ErrorCode
 from cluster.api.auth import bearer_from_grpc
+from cluster.api.wire import from_proto, generate_response_proto, spec_stats_proto, timing_proto
 from cluster.policy.teaching import client_id
+from specserve.v1 import specserve_pb2 as pb
 
 
 class GrpcDoor:
@@ -49,8 +51,6 @@ class GrpcDoor:
     async def Generate(self, request, grpc_context=None):
         client = self._authenticate_grpc(grpc_context)
         request = self._decoded(request, grpc_context)
-        from specserve.v1 import specserve_pb2 as pb
-        from cluster.api.wire import from_proto, generate_response_proto
 
         try:
             return generate_response_proto(pb, await self.complete(from_proto(request), client))
@@ -60,8 +60,6 @@ class GrpcDoor:
     async def GenerateStream(self, request, grpc_context=None):
         client = self._authenticate_grpc(grpc_context)
         request = self._decoded(request, grpc_context)
-        from specserve.v1 import specserve_pb2 as pb
-        from cluster.api.wire import from_proto, spec_stats_proto, timing_proto
 
         try:
             async with aclosing(self._stream(from_proto(request), client=client)) as stream:
@@ -81,7 +79,6 @@ class GrpcDoor:
     async def ListModels(self, request, grpc_context=None):
         self._authenticate_grpc(grpc_context)
         self._decoded(request, grpc_context)
-        from specserve.v1 import specserve_pb2 as pb
 
         out = pb.ListModelsResponse()
         for m in self.models_json()["data"]:
@@ -95,7 +92,6 @@ class GrpcDoor:
         thread keeps, so no Redis I/O runs on the event loop. An unknown model is NOT_FOUND."""
         self._authenticate_grpc(grpc_context)
         request = self._decoded(request, grpc_context)
-        from specserve.v1 import specserve_pb2 as pb
 
         try:
             if request.model and request.model not in self.served:

@@ -40,6 +40,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from cluster.config import AutoscalingConfig
 from cluster.percentile import percentile
+from cluster.policy import BUCKET_BATCH, BUCKET_NAMES
 
 # Plain step time grows about this much per extra request in the batch on the CPU box
 # (cluster.policy.PolicyParams.step_time_per_batch); used when only one batch size was measured.
@@ -278,8 +279,6 @@ def with_capacity(views: list, records: Mapping[str, Mapping[str, Any]], now_uni
 def plain_step_points(view: Any, min_steps: int = 100) -> tuple[tuple[float, float], ...]:
     """(representative batch, plain step time s) per load bucket of a `cluster.policy.TuningView`
     with at least `min_steps` plain-decoding steps (summed over workload classes)."""
-    from cluster.policy import BUCKET_BATCH, BUCKET_NAMES
-
     out = []
     for bucket in BUCKET_NAMES:
         cell = view.merged("none", bucket)

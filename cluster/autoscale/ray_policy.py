@@ -26,6 +26,9 @@ import time
 import weakref
 from typing import Any, Callable, Mapping, Optional
 
+from cluster.autoscale.policy import MAX_REPLICAS, PolicyState, PoolSnapshot, ReplicaMetrics, decide, plain_step_points
+from cluster.config import AutoscalingConfig, RedisConfig
+
 log = logging.getLogger("specserve.autoscale")
 
 RECORD_TTL_S = 60
@@ -66,8 +69,6 @@ def parse_record(raw: Any) -> dict:
     MalformedRecord. Accepted: at most MAX_RECORD_BYTES of JSON, an object nested at most
     MAX_RECORD_DEPTH deep, every number finite (no NaN, Infinity or 1e999), and the fields the
     router reads well-typed: `target` a whole number within 0..MAX_REPLICAS, `time_unix_s` a number."""
-    from cluster.autoscale.policy import MAX_REPLICAS
-
     if not isinstance(raw, (bytes, str)):
         raise MalformedRecord(f"a {type(raw).__name__}, not a string")
     if len(raw) > MAX_RECORD_BYTES:
@@ -98,8 +99,6 @@ def _redis_client(redis_cfg: Mapping[str, Any], timeout_s: float):
 
 def snapshot_from_context(ctx: Any, plain_step_s: tuple = ()) -> "Any":
     """Ray's AutoscalingContext -> PoolSnapshot (per-replica custom metrics as averaged by Ray)."""
-    from cluster.autoscale.policy import PoolSnapshot, ReplicaMetrics
-
     agg = ctx.aggregated_metrics or {}
     ids = {rid for m in CUSTOM_METRICS for rid in agg.get(m, {})}
     replicas = []
@@ -165,8 +164,6 @@ class GoodputPolicy:
 
     def __init__(self, pool: str, model: str, autoscaling: dict, redis: Optional[dict] = None,
                  max_carry: float = 64.0):
-        from cluster.config import AutoscalingConfig, RedisConfig
-
         self.pool, self.model, self.max_carry = pool, model, max_carry
         self.cfg = AutoscalingConfig.model_validate(autoscaling)
         self.tuning = self.publisher = None
@@ -183,8 +180,6 @@ class GoodputPolicy:
         log.info("pool %s: goodput autoscaling policy, %s", pool, self.cfg.model_dump())
 
     def __call__(self, ctx: Any) -> tuple[int, dict]:
-        from cluster.autoscale.policy import PolicyState, decide, plain_step_points
-
         plain = plain_step_points(self.tuning.snapshot(self.model)) if self.tuning is not None else ()
         snap = snapshot_from_context(ctx, plain)
         state = PolicyState.from_dict(ctx.policy_state or {})

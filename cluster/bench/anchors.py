@@ -31,6 +31,8 @@ from typing import Any, Callable, Optional
 
 from cluster.bench.plan import ALL, AUTO, BEST, NONE, STOCK, BenchConfig, baseline_config
 from cluster.config import ClusterConfig, PoolConfig
+from cluster.ops.placement import cpu_engine_env
+from deployments.engine import engine_kwargs
 
 # vLLM 0.32's K-by-batch-size table (`num_speculative_tokens_per_batch_size`, [lo, hi, K] per entry,
 # inclusive batch-size ranges): at 16 streams here it beat plain decoding and every static K.
@@ -221,8 +223,6 @@ def stock_engine_args(pool: PoolConfig, model_path: str, served_name: str, dtype
                       cpu_build: Optional[bool] = None) -> dict[str, Any]:
     """The pool's engine arguments (engine_kwargs: defaults, pool kwargs, platform kwargs) without
     specserve's own (SPECSERVE_ONLY_ARGS)."""
-    from deployments.engine import engine_kwargs
-
     args = engine_kwargs(pool, model_path, None, served_name, dtype, cpu_build=cpu_build)
     return {k: v for k, v in args.items() if k not in SPECSERVE_ONLY_ARGS}
 
@@ -261,8 +261,6 @@ def stock_argv(engine_args: dict[str, Any], spec: Optional[dict], port: int, hos
 def stock_env(pool: PoolConfig, base: Optional[dict[str, str]] = None,
               platform_env: Optional[dict[str, str]] = None) -> dict[str, str]:
     """The pool engine's environment: the caller's, the platform's (`cpu_engine_env`), the pool's."""
-    from cluster.ops.placement import cpu_engine_env
-
     return {**(os.environ if base is None else base), **(cpu_engine_env() if platform_env is None else platform_env),
             **pool.env}
 

@@ -20,10 +20,12 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from cluster.autoscale.ray_policy import AutoscaleRecords
 from cluster.bench.metrics import Sample
 from cluster.bench.plan import parse_config
 from cluster.bench.runner import Job, Runner
 from cluster.bench.workload import load_prompts, select
+from cluster.config import load_config
 from cluster.percentile import percentile
 
 
@@ -135,9 +137,7 @@ def changes(records: list[dict], t0_unix: float) -> list[dict]:
 
 
 async def run(args) -> int:
-    from cluster.autoscale.ray_policy import AutoscaleRecords
     from cluster.client import AsyncSpecServeClient
-    from cluster.config import load_config
 
     cfg = load_config(args.config)
     pool = args.pool or next(n for n, p in cfg.pools.items() if p.autoscaling is not None)

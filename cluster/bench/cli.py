@@ -33,6 +33,9 @@ from cluster.bench.report import build_summary, git_short_rev, render_markdown, 
 from cluster.bench.split import ALL, SPLITS, keep
 from cluster.bench.workload import DEFAULT_PROMPTS_PATH, interleave_tasks, load_prompts, select
 from cluster.client import DEFAULT_URL, ClientError, SpecServeClient
+from cluster.config import load_config
+from cluster.ops.models import resolve_model
+from cluster.ops.placement import vllm_cpu_build
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local-cpu.yaml"
 
@@ -179,8 +182,6 @@ def _baselines(args: argparse.Namespace, model_id: str, configs: list[P.BenchCon
     external = [A.parse_baseline_url(t) for t in args.baseline_url]
     pool_name = pool = config = None
     if args.baselines or explicit:
-        from cluster.config import load_config
-
         config = load_config(args.config)
         pool_name, pool = A.choose_pool(config, args.baseline_pool)
         if pool.model != model_id:
@@ -197,8 +198,6 @@ def _stock_servers(args: argparse.Namespace, baselines: list[A.Baseline], pool, 
     started = [b for b in baselines if not b.url]
     if not started:
         return []
-    from cluster.ops.models import resolve_model
-    from cluster.ops.placement import vllm_cpu_build
 
     servers = A.plan_servers(started, pool, resolve_model(pool.model, config), model_id,
                              config.models[pool.model].dtype, folder)

@@ -33,7 +33,10 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from cluster.engine.remote_proposer import TcpDraftClient
 from cluster.percentile import percentile
+from cluster.tls import grpc_channel_credentials, grpc_server_credentials, make_test_ca_and_cert
+from deployments.draft_server import DraftServer
 
 SECRET = b"bench-secret-0123456789abcdef"
 REQUEST = {"client": "bench", "evict": [],
@@ -131,9 +134,6 @@ class _Counters:
 
 
 def authenticated():
-    from cluster.engine.remote_proposer import TcpDraftClient
-    from deployments.draft_server import DraftServer
-
     server = DraftServer(StubDrafter(), "127.0.0.1", 0, secret=SECRET)
     client = TcpDraftClient(server.address, SECRET)
 
@@ -168,8 +168,6 @@ def grpc_pair(pki=None):
     if pki is None:
         port = server.add_insecure_port("127.0.0.1:0")
     else:
-        from cluster.tls import grpc_channel_credentials, grpc_server_credentials
-
         port = server.add_secure_port("127.0.0.1:0", grpc_server_credentials(
             str(pki.server_cert), str(pki.server_key), str(pki.ca_cert)))
     server.start()
@@ -211,8 +209,6 @@ def transports(pki) -> dict:
 
 def run(calls: int, rounds: int, warmup: int = 200) -> dict[str, dict[str, float]]:
     with tempfile.TemporaryDirectory() as tmp:
-        from cluster.tls import make_test_ca_and_cert
-
         pki = make_test_ca_and_cert(tmp, ["127.0.0.1"])
         pairs = transports(pki)
         samples: dict[str, list[float]] = {name: [] for name in pairs}

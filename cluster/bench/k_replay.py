@@ -27,8 +27,11 @@ from typing import Callable, Iterable, Optional, Sequence
 import numpy as np
 
 from cluster.bench.plan import NONE, parse_config
+from cluster.bench.report import load_samples
 from cluster.bench.step_split import _greedy
 from cluster.bench.workload import load_prompts
+from cluster.config import load_config
+from cluster.ops.models import resolve_model
 from cluster.speculation import SpecMode
 
 Propose = Callable[[np.ndarray, int], np.ndarray]  # (context token ids, K) -> draft token ids
@@ -300,15 +303,11 @@ def _tokenizer(config_path: str, model: str, override: Optional[str]):
 
     if override:
         return AutoTokenizer.from_pretrained(override)
-    from cluster.config import load_config
-    from cluster.ops.models import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model(model, load_config(config_path)))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from cluster.bench.report import load_samples
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("samples")
     ap.add_argument("--config", default="cluster/configs/local-cpu.yaml")
@@ -324,7 +323,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     if len(costs) < 2:
         print("no paired none / ngram:K one-stream samples to price a step", file=sys.stderr)
         return 2
-    from cluster.config import load_config
 
     pool = next(p for p in load_config(args.config).pools.values() if p.method == SpecMode.NGRAM)
     min_n, max_n = (int(x) for x in args.ngram.split(",")) if args.ngram else (pool.ngram_min, pool.ngram_max)

@@ -22,9 +22,12 @@ import sys
 from collections import defaultdict
 from typing import Iterable, Optional, Sequence
 
+from cluster.bench.anchors import stock_engine_args, stock_env
 from cluster.bench.k_replay import StaticK, Step, ngram_proposer, replay
 from cluster.bench.split import TUNE, SPLITS, keep
 from cluster.bench.workload import load_prompts
+from cluster.config import load_config
+from cluster.ops.models import resolve_model
 from cluster.routing.classifier import classify
 
 POOLED = "*"
@@ -71,10 +74,6 @@ def class_alphas(per_request: Sequence[tuple[str, tuple[int, int, int, int]]], m
 def _greedy_outputs(config_path: str, pool_name: str, split: str, max_tokens: int) -> list[tuple[str, list[int], list[int]]]:
     """(class, prompt ids, greedy output ids) per prompt of the split, from a plain engine built like
     the pool's (the stock anchors' arguments and environment: `cluster.bench.anchors`)."""
-    from cluster.bench.anchors import stock_engine_args, stock_env
-    from cluster.config import load_config
-    from cluster.ops.models import resolve_model
-
     config = load_config(config_path)
     pool = config.pools[pool_name]
     kwargs = stock_engine_args(pool, resolve_model(pool.model, config), pool.model, config.models[pool.model].dtype)
@@ -103,7 +102,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--min-prompts", type=int, default=5)
     args = ap.parse_args(argv)
-    from cluster.config import load_config
 
     pool = load_config(args.config).pools[args.pool]
     propose = ngram_proposer(pool.ngram_min, pool.ngram_max)

@@ -27,6 +27,8 @@ from typing import Any
 import httpx
 import yaml
 
+from cluster.ops.up import start_cluster, stop_cluster
+
 DEFAULT_BASE = Path(__file__).resolve().parents[1] / "configs" / "local-cpu.yaml"
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "specbench-dev.jsonl"
 
@@ -109,8 +111,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from ray import serve
-
-    from cluster.ops.up import start_cluster, stop_cluster
 
     http, grpc, redis, metrics = (int(p) for p in args.ports.split(","))
     raw = bench_config(yaml.safe_load(Path(args.base).read_text()), http, grpc, redis, metrics, args.timeout_s)

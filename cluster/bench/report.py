@@ -22,6 +22,7 @@ from cluster.bench.metrics import (Sample, Slo, check_lossless, group_by, pooled
 from cluster.bench.plan import AUTO, NONE
 from cluster.bench.router_verdict import (BOOTSTRAP_RESAMPLES, ROUTER_LOAD_TOLERANCE, ROUTER_TASK_TOLERANCE,
                                           router_verdict)
+from cluster.bench.verdict import add_verdicts, render_lines
 
 
 def git_short_rev(cwd: Optional[Path] = None) -> str:
@@ -53,8 +54,6 @@ def build_summary(samples: list[Sample], slo: Slo = Slo(), tie_gap: float = 0.05
                   anchors: tuple[str, ...] = ()) -> dict[str, Any]:
     """Everything the report shows, per configuration, task and load level. `anchors`: the stock-vLLM
     baselines' names (rows like any configuration; judged apart in `cluster.bench.verdict`)."""
-    from cluster.bench.verdict import add_verdicts
-
     reference = {s.prompt_id: s for s in samples if s.phase == "reference" and s.ok}
     compare = [s for s in samples if s.phase == "compare"]
     out: dict[str, Any] = {"comparison": {}, "load": {}, "poisson": {}, "anchors": list(anchors)}
@@ -261,9 +260,7 @@ def render_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
                   _ms(r["latency_s"]["p50"]), _ms(r["latency_s"]["p99"]), fmt(r["acceptance_length"]),
                   _kcell(r), str(r["errors"])] for cfg, r in summary["poisson"].items()]
         lines += _table(header, table) + [""]
-    from cluster.bench.verdict import render_lines  # the anchors' and the trace's sections
-
-    return "\n".join(lines + render_lines(summary)) + "\n"
+    return "\n".join(lines + render_lines(summary)) + "\n"  # render_lines: the anchors' and the trace's sections
 
 
 def _spread_text(spread: dict[str, Any]) -> str:

@@ -15,10 +15,12 @@ Pure functions only; the replay itself is `Runner.run_schedule`.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import math
 import random
+import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -267,9 +269,6 @@ def offsets_from_args(args, seed: int) -> tuple[list[float], Optional[list[Optio
 
 def main(argv: Optional[list[str]] = None) -> int:
     """`python -m cluster.bench.trace mmpp --seconds S --rates CALM,BURST --dwell CALM_S,BURST_S --seed N > f.csv`"""
-    import argparse
-    import sys
-
     ap = argparse.ArgumentParser(prog="python -m cluster.bench.trace", description="Write a bursty arrival CSV.")
     ap.add_argument("kind", choices=["mmpp"])
     ap.add_argument("--seconds", type=float, default=600.0)

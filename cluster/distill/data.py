@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from cluster.bench.workload import task_of
+from cluster.distill import vllm_gen
 
 log = logging.getLogger(__name__)
 
@@ -319,14 +320,12 @@ def corpora(
                              "temperature": spec.temperature, "seed": job_seed(spec.seed, s * shard_size + i)})
                 where.append((si, s, i))
         if jobs:
-            from cluster.distill.vllm_gen import generate_vllm
-
             got: list = [None] * len(jobs)
             for bf16 in sorted({specs[si].bf16 for si, _, _ in where}):  # one engine per dtype
                 mine = [k for k in range(len(jobs)) if specs[where[k][0]].bf16 == bf16]
                 order = sorted(mine, key=lambda k: (jobs[k]["prompt_ids"], k))
-                made = generate_vllm(model_path, [jobs[k] for k in order], max_model_len, log_fn=log_fn,
-                                     **({"dtype": "bfloat16"} if bf16 else {}))
+                made = vllm_gen.generate_vllm(model_path, [jobs[k] for k in order], max_model_len, log_fn=log_fn,
+                                              **({"dtype": "bfloat16"} if bf16 else {}))
                 for k, c in zip(order, made):
                     got[k] = c
             for (si, s, i), c in zip(where, got):

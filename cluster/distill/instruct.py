@@ -21,6 +21,8 @@ import re
 from pathlib import Path
 from typing import Callable, Optional
 
+from cluster.distill import vllm_gen
+
 ASK = ("Here are examples of requests that users send to an AI assistant:\n\n{examples}\n\n"
        "Write one new request of the same kind about a different subject. Reply with the request only.")
 _LEAD = re.compile(r"^\s*(?:(?:new\s+)?request\s*\d*\s*[:.)-]|\d+\s*[.)]|[-*•]|#+)\s*", re.IGNORECASE)
@@ -118,7 +120,7 @@ def self_instruct(tokenizer, model_path: str, pool: list[str], n: int, seed: int
         log_fn(f"data: {len(out)} self-instructed prompts from {path}")
         return out
     if generate is None:
-        from cluster.distill.vllm_gen import generate_vllm as generate
+        generate = vllm_gen.generate_vllm
     jobs = instruct_jobs(tokenizer, pool, int(n * oversample) + 1, seed)
     conts = generate(model_path, jobs, 4096, log_fn=log_fn)
     replies = [tokenizer.decode(c, skip_special_tokens=True) for c in conts]

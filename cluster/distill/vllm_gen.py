@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cluster.ops.placement import cpu_engine_env, platform_engine_kwargs
+
 
 def sampling_kwargs(job: dict) -> dict:
     """SamplingParams keyword arguments for one job (pure; unit-tested)."""
@@ -46,8 +48,6 @@ def failure_tail(stdout: str | None, stderr: str | None, n: int = 30) -> str:
 def generate_vllm(model_path: str, jobs: list[dict], max_model_len: int, *, threads: int | None = None,
                   timeout_s: float = 3600.0, log_fn=print, dtype: str = "float32") -> list[list[int]]:
     """Run the jobs in a child vLLM process; return their continuations in job order."""
-    from cluster.ops.placement import cpu_engine_env
-
     if not jobs:
         return []
     with tempfile.TemporaryDirectory(prefix="specserve-vllm-gen-") as d:
@@ -75,7 +75,6 @@ def _child(src: str, dst: str) -> None:
 
     spec = json.loads(Path(src).read_text())
     jobs = spec["jobs"]
-    from cluster.ops.placement import platform_engine_kwargs
 
     # Platform arguments as the serving engines get them: on the CPU build, no chunked prefill, or a
     # batch of seeded (sampled) jobs kills the engine core (`platform_engine_kwargs`).

@@ -27,6 +27,7 @@ from urllib.parse import urlparse
 import yaml
 
 from cluster.config import ClusterConfig, ConfigError, parse_config
+from cluster.engine.draft_wire import SECRET_ENV
 from cluster.routing.deadline import proxy_timeout_s
 from cluster.k8s.kustomize import build
 from cluster.ops.placement import (
@@ -156,7 +157,6 @@ def drafter_secret_env(cfg: ClusterConfig, settings: RenderSettings) -> list[Obj
     reference, in every Ray pod (drafter replicas and the engines that call them may land anywhere)."""
     if not used_drafters(cfg):
         return []
-    from cluster.engine.draft_wire import SECRET_ENV
 
     ref = {"name": settings.drafter_secret, "key": DRAFTER_SECRET_KEY}
     return [{"name": SECRET_ENV, "valueFrom": {"secretKeyRef": ref}}]

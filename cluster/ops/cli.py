@@ -17,7 +17,17 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from cluster.autoscale.ray_policy import AutoscaleRecords
+from cluster.config import ConfigError, load_config
+from cluster.distill import cli as distill_cli
+from cluster.k8s.render import main as render_main
+from cluster.ops.models import prepare_all
+from cluster.ops.placement import (
+    driver_log_levels, node_summary, ray_attach_env, ray_attach_kwargs, read_ray_address, replica_nodes,
+)
 from cluster.ops.up import cmd_up
+from cluster.routing.route import explain_choices, pool_views
+from cluster.speculation import WORKLOAD_CLASSES
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "local-cpu.yaml")
 DEFAULT_URL = os.environ.get("SPECSERVE_URL", "http://127.0.0.1:8000")
@@ -83,9 +93,6 @@ def _serve_applications(config_path: str, timeout_s: float) -> dict:
     """{"applications": Serve's status per application and deployment, with the node of each replica;
     "nodes": Ray's nodes and the custom resources they advertise} from the running cluster's Ray,
     or {"ray": why not}, within `timeout_s` (Ray's own attach retries for minutes)."""
-    from cluster.config import load_config
-    from cluster.ops.placement import ray_attach_env, read_ray_address
-
     config = load_config(config_path)
     os.environ.update(ray_attach_env(config, os.environ, read_ray_address(config)))  # before `import ray`
     answer: list[dict] = []  # the attach thread's one result, appended whole
@@ -96,8 +103,6 @@ def _serve_applications(config_path: str, timeout_s: float) -> dict:
             from ray import serve
 
             from ray._private import state as ray_state
-
-            from cluster.ops.placement import driver_log_levels, node_summary, ray_attach_kwargs, replica_nodes
 
             for name, level in driver_log_levels(verbose=False).items():  # the JSON is the whole output
                 logging.getLogger(name).setLevel(level)
@@ -155,8 +160,6 @@ def _autoscale_and_tuning(config_path: str):
     """(config, autoscaler records by pool, tuning rows) read from the config's Redis (empty if down)."""
     import redis
 
-    from cluster.autoscale.ray_policy import AutoscaleRecords
-    from cluster.config import load_config
     from cluster.state.tuning import TuningStore
 
     cfg = load_config(config_path)
@@ -179,8 +182,6 @@ def _autoscale_and_tuning(config_path: str):
 def _redis_reachability(config_path: str) -> dict:
     import redis
 
-    from cluster.config import load_config
-
     from cluster.state.redis_client import redis_client_from
 
     cfg = load_config(config_path)
@@ -197,7 +198,6 @@ def _redis_reachability(config_path: str) -> dict:
 
 def cmd_tuning(args) -> int:
     """Print the tuning table (per model, mode, workload class, load bucket) from Redis."""
-    from cluster.config import load_config
     from cluster.state.tuning import TuningStore
 
     cfg = load_config(args.config)
@@ -240,9 +240,6 @@ def _print_tsv(cols: list[str], rows: list[dict]) -> None:
 
 def _print_explain(cfg, store, models, args, reachable: bool) -> int:
     """`specserve tuning --explain`: the router's choice per class and batch from the state just read."""
-    from cluster.routing.route import explain_choices, pool_views
-    from cluster.speculation import WORKLOAD_CLASSES
-
     try:
         batches = [int(b) for b in args.batches.split(",") if b.strip()]
     except ValueError:
@@ -265,16 +262,11 @@ def _print_explain(cfg, store, models, args, reachable: bool) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from cluster.config import load_config
-    from cluster.ops.models import prepare_all
-
     print(json.dumps(prepare_all(load_config(args.config)), indent=2))
     return 0
 
 
 def cmd_check_config(args) -> int:
-    from cluster.config import ConfigError, load_config
-
     try:
         cfg = load_config(args.config)
     except ConfigError as e:
@@ -285,8 +277,6 @@ def cmd_check_config(args) -> int:
 
 
 def cmd_k8s(args) -> int:
-    from cluster.k8s.render import main as render_main
-
     return render_main(args.render_args)
 
 
@@ -345,8 +335,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=bench_cli.run)
 
     d = sub.add_parser("distill", help="train a drafter for a target by self-distillation, evaluate and ship it")
-    from cluster.distill import cli as distill_cli
-
     distill_cli.add_arguments(d)
     d.set_defaults(func=distill_cli.run)
 

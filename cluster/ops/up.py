@@ -12,6 +12,20 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from cluster.config import ConfigError, load_config
+from cluster.engine.draft_wire import SECRET_ENV, new_secret
+from cluster.ops import reaper
+from cluster.ops.cpu_pinning import pin_serving_processes
+from cluster.ops.local_nodes import LocalNodes
+from cluster.ops.models import prepare_all
+from cluster.ops.placement import (
+    GRPC_SERVICER_FUNCTIONS, driver_log_levels, grpc_message_options, grpc_reflection, local_ray_env,
+    placement_problems, ray_address_file, ray_address_record, ray_init_kwargs, used_drafters,
+)
+from cluster.routing.deadline import proxy_timeout_s
+from cluster.state.redis_server import ensure_local_redis
+from cluster.tls import GrpcTlsForwarder, TlsConfigError, grpc_server_credentials, http_tls_options
+
 log = logging.getLogger(__name__)
 
 RAY_WORKER_NICENESS_ENV = "RAY_worker_niceness"  # Ray's own setting (ray_constants.RAY_WORKER_NICENESS)
@@ -20,9 +34,6 @@ RAY_WORKER_NICENESS_ENV = "RAY_worker_niceness"  # Ray's own setting (ray_consta
 def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False):
     """Start Redis (if local), Ray and the Serve application; return (config, redis handle).
     `verbose`: the workers' output (engines, Serve) in this terminal too, not only in the log directory."""
-    from cluster.config import load_config
-    from cluster.ops.placement import local_ray_env
-
     config = load_config(config_path)  # 1. fail fast on a bad config
     if not config.ray.address:
         # Before `import ray`, which reads the loopback switch among these (placement.RAY_LOOPBACK_ENV).
@@ -34,13 +45,6 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
     from ray.serve import api as serve_api
     from ray.serve.config import gRPCOptions, HTTPOptions
 
-    from cluster.ops.models import prepare_all
-    from cluster.routing.deadline import proxy_timeout_s
-    from cluster.ops.placement import (
-        GRPC_SERVICER_FUNCTIONS, driver_log_levels, grpc_message_options, grpc_reflection, ray_init_kwargs,
-        used_drafters,
-    )
-    from cluster.engine.draft_wire import SECRET_ENV
     from deployments.app import build_app
 
     for name, level in driver_log_levels(verbose).items():  # after `from ray import serve`: importing it sets ray.serve's
@@ -78,8 +82,6 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
         tls = config.api.tls
         http_tls = {}
         if tls.enabled:
-            from cluster.tls import http_tls_options
-
             http_tls = http_tls_options(tls.certfile, tls.keyfile)  # fails here on a bad certificate or key
         grpc = None
         timeout_s = proxy_timeout_s(config.router.request_timeout_s)  # the proxies' backstop to the router's deadline
@@ -91,8 +93,6 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
         serve.start(proxy_location="HeadOnly" if local else None, http_options=HTTPOptions(host=config.api.host, port=config.api.http_port, request_timeout_s=timeout_s,
                                              **http_tls), grpc_options=grpc)
         if grpc is not None and tls.enabled:  # Ray's gRPC proxy has no TLS: a TLS listener in front of it
-            from cluster.tls import GrpcTlsForwarder, grpc_server_credentials
-
             forwarder = GrpcTlsForwarder(f"{config.api.host}:{tls.grpc_tls_port}", f"127.0.0.1:{config.api.grpc_port}",
                                          grpc_server_credentials(tls.certfile, tls.keyfile, tls.client_ca_file),
                                          options=grpc_message_options(config)).start()
@@ -118,8 +118,6 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
 
 def _record_ray_address(config, gcs_address) -> None:
     """Write the local Ray's GCS address where `specserve status --config` finds it (placement.ray_address_file)."""
-    from cluster.ops.placement import ray_address_file, ray_address_record
-
     if not gcs_address:
         return
     path = ray_address_file(config)
@@ -133,8 +131,6 @@ def _record_ray_address(config, gcs_address) -> None:
 def forget_ray_address(config) -> None:
     """Remove the record `_record_ray_address` wrote, once its Ray is stopped: `specserve status
     --config` then attaches to no stale address, and records of stopped clusters do not pile up."""
-    from cluster.ops.placement import ray_address_file
-
     try:
         ray_address_file(config).unlink(missing_ok=True)
     except OSError as e:
@@ -146,8 +142,6 @@ def _start_local_nodes(config, ctx):
     if not config.ray.nodes:
         return None
     import ray
-
-    from cluster.ops.local_nodes import LocalNodes
 
     info = getattr(ctx, "address_info", None) or {}
     session = Path(info.get("session_dir") or "/tmp/ray/session_latest")
@@ -167,8 +161,6 @@ def _check_placement(config) -> None:
     """Fail the start-up, naming the pool and the resource, when a replica fits no node of the local
     cluster (Serve would otherwise wait for it forever)."""
     import ray
-
-    from cluster.ops.placement import placement_problems
 
     problems = placement_problems(config, [n.get("Resources") or {} for n in ray.nodes() if n.get("Alive")])
     if problems:
@@ -198,9 +190,6 @@ def local_drafter_secret(config, environ) -> dict[str, str]:
     """The drafter wire's shared secret for a local Ray (`cluster.engine.draft_wire`): a new random one per
     start when the config has drafters and `environ` has none. Set in this process before Ray starts,
     it reaches drafters and engines through the raylet's environment, not Ray's GCS."""
-    from cluster.engine.draft_wire import SECRET_ENV, new_secret
-    from cluster.ops.placement import used_drafters
-
     if not used_drafters(config) or environ.get(SECRET_ENV):
         return {}
     return {SECRET_ENV: new_secret()}
@@ -208,10 +197,6 @@ def local_drafter_secret(config, environ) -> dict[str, str]:
 
 def _start_redis(config):
     if not config.redis.start_local:
-        return None
-    try:
-        from cluster.state.redis_server import ensure_local_redis
-    except ImportError:
         return None
     handle = ensure_local_redis(config.redis.url)
     print(f"[specserve] redis at {config.redis.url}")
@@ -311,7 +296,6 @@ def _pinner(config, every_s: float = 5.0):
     vLLM's workers are bound to. A no-op when off or when this process joined a cluster."""
     if not config.ray.pin_serving_cpus or config.ray.address:
         return lambda: None
-    from cluster.ops.cpu_pinning import pin_serving_processes
 
     all_cpus = frozenset(os.sched_getaffinity(0))  # read before this process is itself moved
     next_at = [0.0]
@@ -329,10 +313,6 @@ def _pinner(config, every_s: float = 5.0):
 
 
 def cmd_up(args) -> int:
-    from cluster.ops import reaper
-    from cluster.config import ConfigError
-    from cluster.tls import TlsConfigError
-
     interrupt_on_signals()
     reaper.become_subreaper()  # an engine its Ray worker orphans is re-parented here, not to init
     try:

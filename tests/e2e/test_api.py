@@ -4,7 +4,6 @@ OpenAI client over HTTP, errors with the field named, cancellation freeing the e
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import httpx
@@ -12,6 +11,7 @@ import pytest
 
 from specserve.v1 import specserve_pb2 as pb
 from specserve.v1 import specserve_pb2_grpc as pb_grpc
+from tests.e2e.helpers import engine_idle
 
 pytestmark = pytest.mark.engine
 
@@ -146,21 +146,14 @@ def test_cancelled_stream_is_aborted_in_the_engine(cluster, stub):
                 events += 1
             if events >= 3:
                 break  # hang up mid-stream
-    assert _engine_unfinished(url, "ngram") >= 0
-    deadline = time.monotonic() + 30
-    while _engine_unfinished(url, "ngram") != 0:
-        assert time.monotonic() < deadline, "engine still runs the cancelled HTTP request"
-        time.sleep(0.5)
+    asyncio.run(engine_idle(url, "ngram", timeout_s=30))  # the cancelled HTTP request is aborted
     # gRPC: a deadline mid-stream stops the generation too
     with pytest.raises(grpc.RpcError) as e:
         for _ in stub.GenerateStream(_req("Write a very long story about a dragon.", max_tokens=1500, mode="none"),
                                      timeout=3):
             pass
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    deadline = time.monotonic() + 30
-    while _engine_unfinished(url, "ngram") != 0:
-        assert time.monotonic() < deadline, "engine still runs the gRPC request past its deadline"
-        time.sleep(0.5)
+    asyncio.run(engine_idle(url, "ngram", timeout_s=30))  # so is the gRPC request past its deadline
 
 
 def test_seeded_requests_whose_prompts_overflow_one_step_survive(cluster):

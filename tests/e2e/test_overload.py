@@ -1,10 +1,12 @@
-"""Overload: far more concurrent streams than a pool admits. Excess requests get 429 with a retry
-hint quickly, admitted ones complete, and the cluster's memory stays bounded."""
+"""Overload: far more concurrent requests than a pool admits. The pool is held full (its engine's
+slots by long streams, its queue by short requests), then a burst of excess requests is sent: each
+gets 429 with a retry hint while the pool is still full (none waits for a slot), the queued ones
+complete once the pool frees, and the cluster's memory stays bounded."""
 
 from __future__ import annotations
 
 import asyncio
-import math
+import statistics
 import subprocess
 import time
 
@@ -12,7 +14,16 @@ import httpx
 import pytest
 import yaml
 
+from tests.e2e.helpers import held_batch, held_batch_intact
+
 pytestmark = pytest.mark.engine
+
+# Requests past the queue must be answered within this while the pool stays full. A server that held
+# them for a slot would never answer (the slots are held until the test hangs up). On a loaded CI
+# machine some requests reach the Ray proxy seconds after others sent with them, so this is wide.
+REJECT_WITHIN_S = 60.0
+SHORT = {"messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 16, "ignore_eos": True,
+         "specserve": {"speculative": {"mode": "none"}}}
 
 
 def _rss_mb() -> float:
@@ -22,47 +33,54 @@ def _rss_mb() -> float:
                if "ray::" in line or "raylet" in line or "EngineCore" in line) / 1024
 
 
-def test_overload_gets_429_and_admitted_requests_complete(cluster):
+def test_overload_gets_429_while_full_and_queued_requests_complete(cluster):
     raw = yaml.safe_load(cluster.config_path.read_text())
     pool = raw["pools"]["ngram"]
-    capacity = pool["max_ongoing_requests"] + pool["max_queued_requests"]
-    n = capacity * 2 + 40
-    # Admitted requests run for a while (96 tokens: the queue drains in several engine batches, most of
-    # a minute on two cores), so "turned away at once" is told apart from "turned away after the queue
-    # drained"; getting the burst in through the proxy and router took up to 10 s in CI.
-    body = {"messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 96, "ignore_eos": True,
-            "specserve": {"speculative": {"mode": "none"}}}
+    slots, queue = pool["max_ongoing_requests"], pool["max_queued_requests"]
+    sent = queue * 2 + slots + 40  # at most `queue` of them fit while the slots are held
+    url = cluster.http_url
     rss_before = _rss_mb()
 
     async def run():
-        limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=n + 10)
+        limits = httpx.Limits(max_connections=sent + 10, max_keepalive_connections=sent + 10)
         async with httpx.AsyncClient(limits=limits, timeout=600) as client:
             async def one():
                 t0 = time.monotonic()
-                r = await client.post(f"{cluster.http_url}/v1/chat/completions", json=body)
+                r = await client.post(f"{url}/v1/chat/completions", json=SHORT)
                 return r, time.monotonic() - t0
-            return await asyncio.gather(*[one() for _ in range(n)])
 
-    results = asyncio.run(run())
+            async with held_batch(url, "ngram", slots, {"mode": "none"}) as fillers:
+                tasks = [asyncio.ensure_future(one()) for _ in range(sent)]
+                deadline = time.monotonic() + REJECT_WITHIN_S
+                while (answered := sum(t.done() for t in tasks)) < sent - queue:
+                    assert time.monotonic() < deadline, (
+                        f"{answered} of the {sent - queue} requests past the queue were answered in "
+                        f"{REJECT_WITHIN_S:g} s while the pool was full: the rest were held")
+                    await asyncio.sleep(0.1)
+                rejected_while_full = [t.result() for t in tasks if t.done()]
+                intact = held_batch_intact(fillers)
+            return rejected_while_full, await asyncio.gather(*tasks), intact
+
+    early, results, intact = asyncio.run(run())
     rss_after = _rss_mb()
-    codes = [r.status_code for r, _ in results]
+    codes = sorted({r.status_code for r, _ in results})
     rejected = [(r, dt) for r, dt in results if r.status_code == 429]
-    ok = [(r, dt) for r, dt in results if r.status_code == 200]
-    others = sorted({c for c in codes if c not in (200, 429)})
-    median = sorted(dt for _, dt in rejected)[len(rejected) // 2] if rejected else math.nan
-    drained = max((dt for _, dt in ok), default=math.nan)
-    print(f"overload: sent {n}, capacity {capacity}: 200={len(ok)} 429={len(rejected)} other={others}; "
-          f"429 median {median:.1f} s, last 200 at {drained:.1f} s; rss {rss_before:.0f} -> {rss_after:.0f} MiB")
-    assert not others, f"unexpected statuses {others}"
-    assert len(rejected) >= n - capacity - 40, "too few requests were turned away"
-    assert len(ok) >= capacity // 2, "admitted requests did not complete"
+    ok = [r for r, _ in results if r.status_code == 200]
+    waits = sorted(dt for r, dt in early)
+    print(f"overload: {slots} held + {sent} sent, queue {queue}: statuses {codes}, 200={len(ok)} 429={len(rejected)}; "
+          f"{len(early)} answered while full, median {statistics.median(waits):.1f} s, max {waits[-1]:.1f} s; "
+          f"rss {rss_before:.0f} -> {rss_after:.0f} MiB")
+    assert intact, "a filler ended while the pool was meant to be full"
+    assert all(r.status_code == 429 for r, _ in early), f"{sorted({r.status_code for r, _ in early})} while full"
+    assert codes in ([429], [200, 429]), f"unexpected statuses {codes}"
+    assert len(rejected) >= sent - queue, "more requests were admitted than the pool queues"
+    # Ray's handle may turn a few away early (its queue count includes the router's own load polls).
+    assert len(ok) >= queue // 2, "queued requests did not complete"
     for r, _ in rejected:
         assert r.headers.get("retry-after"), "429 without a Retry-After hint"
         assert r.json()["error"]["code"] == "resource_exhausted"
-    # Rejections are quick: the median well before the admitted requests drain.
-    assert median < drained / 2, (median, drained)
-    assert all(r.json()["choices"][0]["message"]["content"] is not None for r, _ in ok)
+    assert all(r.json()["choices"][0]["message"]["content"] is not None for r in ok)
     assert rss_after < rss_before + 1024, "memory grew by more than 1 GiB under overload"
     # Still serving afterwards.
-    r = httpx.post(f"{cluster.http_url}/v1/chat/completions", json=body, timeout=120)
+    r = httpx.post(f"{url}/v1/chat/completions", json=SHORT, timeout=120)
     assert r.status_code == 200

@@ -237,7 +237,10 @@ class PoolConfig(Strict):
         default_factory=dict, description="Extra vLLM AsyncEngineArgs, passed through as given."
     )
     env: dict[str, str] = Field(default_factory=dict, description="Environment of the replica's process.")
-    startup_timeout_s: float = Field(600.0, gt=0, description="Engine start-up must finish within this.")
+    startup_timeout_s: float = Field(
+        600.0, gt=0, description=(
+            "One replica's model preparation and vLLM engine start must finish within this; past it the "
+            "replica fails with EngineStartTimeout naming this field and Serve tries another."))
     health_probe_interval_s: float = Field(
         30.0, ge=0, description="At most this often, the health check runs a real 1-token generation (0: every check)."
     )

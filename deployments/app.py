@@ -23,26 +23,33 @@ from cluster.ops.placement import (
 )
 from cluster.routing.classifier import classify
 from deployments.drafter import DrafterServer
-from deployments.engine import EngineServer
+from deployments.engine import EngineServer, engine_kwargs, start_vllm, within_startup_timeout
+from deployments.engine_death import retire_process
 from deployments.router import Router
 
 log = logging.getLogger("specserve.app")
 
 
 class EngineReplica(EngineServer):
-    """EngineServer that prepares its own model files on the node it lands on (cached per node)."""
+    """EngineServer that prepares its own model files on the node it lands on (cached per node) and
+    starts its engine within the pool's startup_timeout_s (Ray Serve awaits an async constructor)."""
 
-    def __init__(self, pool_name: str, pool: PoolConfig, config: ClusterConfig, drafter: Any = None):
+    async def __init__(self, pool_name: str, pool: PoolConfig, config: ClusterConfig, drafter: Any = None):
         logsafe.setup_replica_logging()
-        model_path = models.resolve_model(pool.model, config)
-        drafter_path = models.resolve_model(pool.drafter, config) if pool.drafter else None
+        model = config.models[pool.model]
+
+        def start() -> Any:
+            model_path = models.resolve_model(pool.model, config)
+            drafter_path = models.resolve_model(pool.drafter, config) if pool.drafter else None
+            return start_vllm(pool_name, engine_kwargs(pool, model_path, drafter_path, pool.model, model.dtype,
+                                                       trust_remote_code=model.trust_remote_code))
+
+        engine = await within_startup_timeout(pool_name, pool.startup_timeout_s, start)
 
         async def drafter_endpoint() -> str:  # `drafter`: the Serve handle of the pool's remote drafter
             return await drafter.endpoint.remote()
 
-        super().__init__(pool_name, pool, model_path, drafter_path, served_name=pool.model,
-                         dtype=config.models[pool.model].dtype,
-                         trust_remote_code=config.models[pool.model].trust_remote_code,
+        super().__init__(pool_name, pool, pool.model, engine, retire=retire_process,
                          drafter_endpoint=drafter_endpoint if drafter is not None else None)
 
 

@@ -23,7 +23,7 @@ from cluster.config import PoolConfig
 from cluster.ops.placement import platform_engine_kwargs
 from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP, SpecMode, SpecStats, accepted_runs
 from cluster.engine.vllm_scheduler import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS_PATH, STEP_K_MAX_BATCH_KEY
-from deployments.engine_death import EngineDead, engine_died, retire_process
+from deployments.engine_death import EngineDead, engine_died
 
 log = logging.getLogger("specserve.engine")
 
@@ -177,33 +177,26 @@ class EngineServer:
     """One engine replica: owns an AsyncLLM, serves EngineRequests as streams of EngineChunks.
 
     Once its engine core is known dead (`deployments.engine_death`), every call fails at once with
-    `EngineDead` and `retire` runs, once: by default, when the server started its own engine, the
+    `EngineDead` and `retire` runs, once: in a Serve replica (`deployments.app.EngineReplica`), the
     replica's process ends after a short grace so that Ray Serve replaces it."""
 
     def __init__(
         self,
         pool_name: str,
         pool: PoolConfig,
-        model_path: str,
-        drafter_path: Optional[str],
         served_name: str,
-        dtype: str = "auto",
-        trust_remote_code: bool = False,
-        engine: Any = None,
+        engine: Any,
         drafter_endpoint: Optional[Callable[[], Awaitable[str]]] = None,
         retire: Optional[Callable[[], Any]] = None,
     ):
+        """`engine`: a started AsyncLLM (`start_vllm`). `retire`: ends the replica's process once the
+        engine is known dead (`retire_process` for an engine this process started; None: nothing)."""
         self.pool_name = pool_name
         self.pool = pool
         self.served_name = served_name
         self.replica = f"{pool_name}-{id(self):x}"
-        if retire is None:  # an injected engine (tests) is not this process's to end with
-            retire = retire_process if engine is None else (lambda: None)
-        self._retire = retire
+        self._retire = retire if retire is not None else (lambda: None)
         self._dead: Optional[str] = None  # why the engine is known dead
-        if engine is None:
-            engine = self._start_engine(engine_kwargs(pool, model_path, drafter_path, served_name, dtype,
-                                                      trust_remote_code=trust_remote_code))
         self.engine = engine
         self._tokenizer = None
         self._last_probe_ok = float("-inf")
@@ -212,16 +205,6 @@ class EngineServer:
         # method remote_draft: where the drafter deployment answers (asked through a Serve handle).
         self._drafter_endpoint = drafter_endpoint
         self._drafter_watch: Optional[asyncio.Task] = None
-
-    def _start_engine(self, kwargs: dict[str, Any]):
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        t0 = time.monotonic()
-        log.info("pool %s: starting vLLM engine %s", self.pool_name, kwargs)
-        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-        log.info("pool %s: engine up in %.1f s", self.pool_name, time.monotonic() - t0)
-        return engine
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -445,6 +428,41 @@ class EngineServer:
 
     def __del__(self):  # Ray Serve's hook when it stops a replica
         self.shutdown()
+
+
+class EngineStartTimeout(RuntimeError):
+    """An engine replica did not prepare its model and start its engine within startup_timeout_s."""
+
+
+def start_vllm(pool_name: str, kwargs: dict[str, Any]) -> Any:
+    """vLLM's AsyncLLM for `kwargs` (blocks while it loads the model and warms up)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    t0 = time.monotonic()
+    log.info("pool %s: starting vLLM engine %s", pool_name, kwargs)
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+    log.info("pool %s: engine up in %.1f s", pool_name, time.monotonic() - t0)
+    return engine
+
+
+async def within_startup_timeout(pool_name: str, timeout_s: float, start: Callable[[], Any]) -> Any:
+    """Run the blocking `start` in a thread; past `timeout_s`, fail with EngineStartTimeout naming the
+    field (vLLM's own wait for its engine core has no bound until the model is loaded). Serve then
+    stops the replica, which takes its engine core with it, and starts another.
+
+    >>> asyncio.run(within_startup_timeout("p", 5, lambda: "engine"))
+    'engine'
+    >>> asyncio.run(within_startup_timeout("p", 0.01, lambda: time.sleep(0.5)))
+    Traceback (most recent call last):
+    ...
+    deployments.engine.EngineStartTimeout: pools.p.startup_timeout_s: the engine did not start within 0.01 s
+    """
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(start), timeout=timeout_s)
+    except asyncio.TimeoutError:
+        raise EngineStartTimeout(
+            f"pools.{pool_name}.startup_timeout_s: the engine did not start within {timeout_s:g} s") from None
 
 
 async def collect(stream: AsyncIterator[EngineChunk]) -> EngineChunk:

@@ -203,6 +203,23 @@ def _start_redis(config):
     return handle
 
 
+def failure_summary(app_message: str, deployments: dict[str, tuple[str, str]]) -> str:
+    """Serve's application message and, for each deployment that failed, the last line of its
+    message (a failed constructor's exception, e.g. an engine start past its startup_timeout_s).
+
+    >>> failure_summary("Failed to update the deployments ['engine-ngram'].", {
+    ...     "engine-ngram": ("DEPLOY_FAILED", "Traceback ...\\n  File x\\nEngineStartTimeout: pools.ngram.startup_timeout_s: ..."),
+    ...     "router": ("HEALTHY", "")})
+    "Failed to update the deployments ['engine-ngram']. engine-ngram: EngineStartTimeout: pools.ngram.startup_timeout_s: ..."
+    """
+    parts = [app_message.strip()]
+    for name, (status, message) in sorted(deployments.items()):
+        lines = [ln.strip() for ln in (message or "").splitlines() if ln.strip()]
+        if "HEALTHY" != status.rsplit(".", 1)[-1] and lines:
+            parts.append(f"{name}: {lines[-1][:300]}")
+    return " ".join(parts)
+
+
 def _wait_ready(config, wait_s: float) -> None:
     from ray import serve
 
@@ -213,7 +230,8 @@ def _wait_ready(config, wait_s: float) -> None:
         if state == "RUNNING":
             return
         if state in ("DEPLOY_FAILED", "UNHEALTHY"):
-            raise RuntimeError(f"application {config.name} failed: {app.message}")
+            causes = {n: (str(d.status), d.message) for n, d in (app.deployments or {}).items()}
+            raise RuntimeError(f"application {config.name} failed: {failure_summary(app.message, causes)}")
         time.sleep(2)
     raise TimeoutError(f"application {config.name} not running after {wait_s:.0f} s")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import doctest
 import json
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +24,8 @@ from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 import deployments.engine_call as engine_call
 from cluster.api.types import ApiError
 from cluster.config import load_config
-from deployments.engine import EngineChunk, EngineInputError, EngineRequest, EngineServer
+import deployments.app as app
+from deployments.engine import EngineChunk, EngineInputError, EngineRequest, EngineServer, EngineStartTimeout
 from deployments.engine_death import RETIRE_EXIT_CODE, EngineDead, engine_died, retire_process
 from specserve.v1 import specserve_pb2 as pb
 from tests.deployments.test_router import BODY, FINAL, FakeCall, make_router, post
@@ -67,7 +69,7 @@ class DyingEngine:
 
 def replica(engine):
     retired = []
-    s = EngineServer("ngram", POOL.model_copy(update={"health_probe_interval_s": 3600}), "/m", None, "m",
+    s = EngineServer("ngram", POOL.model_copy(update={"health_probe_interval_s": 3600}), "m",
                      engine=engine, retire=lambda: retired.append(time.monotonic()))
     return s, retired
 
@@ -167,12 +169,39 @@ def test_retire_process_exits_after_the_grace():
     assert codes == [RETIRE_EXIT_CODE] and time.monotonic() - t0 >= 0.05
 
 
-def test_a_replica_that_started_its_own_engine_retires_its_process(monkeypatch):
-    monkeypatch.setattr(EngineServer, "_start_engine", lambda self, kwargs: DyingEngine())
-    s = EngineServer("ngram", POOL, "/m", None, "m")
-    assert s._retire is retire_process
+def _start_replica(monkeypatch, start_vllm, startup_timeout_s: float = 600.0):
+    """An EngineReplica as Ray Serve builds it (it awaits the async constructor), its model
+    preparation and vLLM start replaced."""
+    config = load_config(LOCAL_CPU)
+    config.pools["ngram"] = config.pools["ngram"].model_copy(update={"startup_timeout_s": startup_timeout_s})
+    monkeypatch.setattr(app.models, "resolve_model", lambda name, cfg: f"/models/{name}")
+    monkeypatch.setattr(app.logsafe, "setup_replica_logging", lambda: None)
+    monkeypatch.setattr(app, "start_vllm", start_vllm)
+    r = app.EngineReplica.__new__(app.EngineReplica)
+    loop = asyncio.new_event_loop()  # not asyncio.run: it would wait for a start still running in its thread
+    try:
+        loop.run_until_complete(r.__init__("ngram", config.pools["ngram"], config))
+    finally:
+        loop.close()
+    return r
+
+
+def test_a_serve_replica_retires_its_process_an_injected_engine_does_not(monkeypatch):
+    started = []
+    r = _start_replica(monkeypatch, lambda pool, kwargs: started.append(kwargs) or DyingEngine())
+    assert r._retire is retire_process
+    assert started[0]["model"] == "/models/smollm2-135m" and r.served_name == "smollm2-135m"
     injected, _ = replica(DyingEngine())
     assert injected._retire is not retire_process
+
+
+def test_a_replica_whose_engine_does_not_start_in_time_fails_naming_the_field(monkeypatch):
+    hung = threading.Event()
+    t0 = time.monotonic()
+    with pytest.raises(EngineStartTimeout, match=r"pools\.ngram\.startup_timeout_s: the engine did not start within 0\.2 s"):
+        _start_replica(monkeypatch, lambda pool, kwargs: hung.wait(30), startup_timeout_s=0.2)
+    assert time.monotonic() - t0 < 5  # gave up at the bound, not when the start ended
+    hung.set()
 
 
 # -- the router -----------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ class FakeEngine:
 
 
 def server(engine, **pool_overrides):
-    return EngineServer("ngram", POOL.model_copy(update=pool_overrides), "/m", None, "m", engine=engine)
+    return EngineServer("ngram", POOL.model_copy(update=pool_overrides), "m", engine=engine)
 
 
 def test_health_probe_generates_and_is_rate_limited():
@@ -70,7 +70,7 @@ def test_collective_rpc_calls_are_bounded(monkeypatch):
 
     monkeypatch.setattr(engine_mod, "RPC_TIMEOUT_S", 0.2)
     engine = StuckRpcEngine()
-    s = EngineServer("remote", POOL.model_copy(update={"method": "remote_draft", "max_k": 3}), "/m", None, "m",
+    s = EngineServer("remote", POOL.model_copy(update={"method": "remote_draft", "max_k": 3}), "m",
                      engine=engine)
     with pytest.raises(TimeoutError, match="specserve_drafter_status took more than 0.2 s"):
         asyncio.run(s.drafter_status())
@@ -92,7 +92,7 @@ def test_the_load_report_does_not_carry_the_drafters_address():
         async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
             return [dict(status)]
 
-    s = EngineServer("remote", POOL.model_copy(update={"method": "remote_draft", "max_k": 3}), "/m", None, "m",
+    s = EngineServer("remote", POOL.model_copy(update={"method": "remote_draft", "max_k": 3}), "m",
                      engine=Engine())
     load = asyncio.run(s.load())
     assert "10.20.30.40" not in json.dumps(load)

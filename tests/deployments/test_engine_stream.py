@@ -35,7 +35,7 @@ class StepEngine:
 
 
 def chunks(steps, batch, chunks_per_step=4, streamed=True, logprobs=None, step_s=0.0):
-    s = EngineServer("ngram", POOL.model_copy(update={"stream_chunks_per_step": chunks_per_step}), "/m", None, "m",
+    s = EngineServer("ngram", POOL.model_copy(update={"stream_chunks_per_step": chunks_per_step}), "m",
                      engine=StepEngine(steps, batch, step_s))
     req = EngineRequest(request_id="r", mode="none", k=0, prompt="p", streamed=streamed, logprobs=logprobs)
 
@@ -79,7 +79,7 @@ def test_no_bound_sends_every_output_and_logprobs_follow_their_tokens():
 
 def test_collect_of_a_gathered_stream_is_the_whole_output():
     async def run():
-        s = EngineServer("ngram", POOL, "/m", None, "m", engine=StepEngine(ONE_TOKEN_STEPS, 16))
+        s = EngineServer("ngram", POOL, "m", engine=StepEngine(ONE_TOKEN_STEPS, 16))
         return await collect(s.generate(EngineRequest(request_id="r", mode="none", k=0, prompt="p")))
     whole = asyncio.run(run())
     assert whole.token_ids == list(range(10, 20)) and whole.finish_reason == "length"

@@ -45,7 +45,8 @@ def _tagged(tag: str) -> list[str]:
     return found
 
 
-def _start(tmp: Path, wait_s: float, sigint_ignored: bool = False) -> tuple[subprocess.Popen, Path, str, dict]:
+def _start(tmp: Path, wait_s: float, sigint_ignored: bool = False, **pool_overrides,
+           ) -> tuple[subprocess.Popen, Path, str, dict]:
     """Start `specserve up`; with `sigint_ignored`, the way a shell script's background job
     (`specserve up &` without job control) starts it: SIGINT inherited ignored (`trap '' INT`).
     CI runs the tests that way, and there an interrupt during start-up once did nothing."""
@@ -55,7 +56,7 @@ def _start(tmp: Path, wait_s: float, sigint_ignored: bool = False) -> tuple[subp
     raw["redis"]["url"] = f"redis://127.0.0.1:{_free_port()}/0"
     raw["ray"]["metrics_export_port"] = _free_port()
     raw["name"] = "specserve-lifecycle"
-    raw["pools"] = {"ngram": raw["pools"]["ngram"]}  # one engine is enough
+    raw["pools"] = {"ngram": {**raw["pools"]["ngram"], **pool_overrides}}  # one engine is enough
     config_path = tmp / "cluster.yaml"
     config_path.write_text(yaml.safe_dump(raw))
     tag = f"SPECSERVE_LIFECYCLE_TAG={uuid.uuid4().hex}"
@@ -145,6 +146,17 @@ def test_a_start_up_that_times_out_stops_what_it_started(tmp_path):
     assert not _redis_left(raw), "the cluster's Redis is still up"
     assert rc == 1, log[-3000:]
     assert "not running after 10 s" in log, log[-3000:]
+
+
+def test_an_engine_that_does_not_start_in_time_stops_the_start_up_naming_the_field(tmp_path):
+    """The replica gives up at the pool's startup_timeout_s (vLLM's own wait for its engine core has
+    no bound until the model is loaded); Serve stops it, and with it the engine it was starting."""
+    proc, log_path, tag, raw = _start(tmp_path, wait_s=600, startup_timeout_s=3)
+    rc, log, left = _finish(proc, log_path, tag)
+    assert left == [], f"left running after `specserve up` exited: {left}\n{log[-3000:]}"
+    assert rc == 1, log[-3000:]
+    assert "engine-ngram: deployments.engine.EngineStartTimeout: pools.ngram.startup_timeout_s: " \
+           "the engine did not start within 3 s" in log, log[-3000:]
 
 
 def _pids(tag: str, needle: str) -> list[int]:

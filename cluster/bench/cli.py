@@ -30,6 +30,7 @@ from cluster.bench import trace as T
 from cluster.bench.metrics import Sample, Slo
 from cluster.bench.phases import PhaseRun, estimate, log, print_estimate, run_phases
 from cluster.bench.report import build_summary, git_short_rev, render_markdown, results_dir, write_results
+from cluster.bench.runner import SETTLE_S
 from cluster.bench.split import ALL, SPLITS, keep
 from cluster.bench.workload import DEFAULT_PROMPTS_PATH, interleave_tasks, load_prompts, select
 from cluster.client import DEFAULT_URL, ClientError, SpecServeClient
@@ -74,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--top-p", type=float, default=None, help="top_p of the sampled runs.")
     a("--repeats", type=int, default=None, help="Repeats of the greedy comparison (quick 1, full 2).")
     a("--sampled-repeats", type=int, default=None, help="Repeats of each sampled comparison (1).")
+    a("--settle-s", type=float, default=SETTLE_S,
+      help=f"Quiet before each one-stream request ({SETTLE_S:g}): a vLLM engine's worker and engine core "
+           "busy-poll for 1 s after their last step, and engines that share cores (the cluster's, the stock "
+           "servers') slowed the next configuration's request by up to that second.")
     a("--sampled-configs", default=None,
       help="Configurations of the sampled comparison; 'best' = each mode at its fastest greedy K, "
            "'all' = the greedy list (default none,best,auto).")

@@ -136,7 +136,7 @@ async def _measure(run: PhaseRun, runner: Runner, send, warm, bar) -> None:
         bar.total += len(order) if temp > 0 else 0
         jobs = [Job("compare", cfgs[ci], prompts[pi], temperature=temp, repeat=r,
                     seed=None if temp == 0 else args.seed * 100003 + r * 1009 + pi) for r, pi, ci in order]
-        await runner.run_sequential(jobs)
+        await runner.run_sequential(jobs, settle_s=args.settle_s)
 
     if 0 in run.temperatures:
         await compare(configs, 0.0, args.repeats)

@@ -54,6 +54,13 @@ class Job:
 STOCK_EXTRA = {"stream_options": {"include_usage": True}, "return_token_ids": True}
 
 
+# Quiet before each one-stream request of an interleaved comparison. vLLM's shm message-queue readers
+# (an engine's worker, its engine core) busy-poll for 1 s after their last read
+# (vllm.distributed.device_communicators.shm_broadcast.SpinCondition); where engines share cores, as
+# the cluster's and the stock servers' do here, the next configuration's request ran beside that spin,
+# and about a third of one-stream requests had a first token 1 s late.
+SETTLE_S = 1.2
+
 class Runner:
     """Sends jobs; `t0` (perf_counter) is the run's time origin; `on_done` is called per sample.
     `stock_clients`: baseline name -> client of its server. `request_timeout_s`: a request that has
@@ -135,8 +142,14 @@ class Runner:
             self.on_done(sample)
         return sample
 
-    async def run_sequential(self, jobs: list[Job]) -> list[Sample]:
-        return [await self.one(job) for job in jobs]
+    async def run_sequential(self, jobs: list[Job], settle_s: float = 0.0) -> list[Sample]:
+        """One job at a time; `settle_s` of quiet before each but the first (SETTLE_S says why)."""
+        samples = []
+        for i, job in enumerate(jobs):
+            if i and settle_s > 0:
+                await asyncio.sleep(settle_s)
+            samples.append(await self.one(job))
+        return samples
 
     async def run_closed_loop(self, jobs: list[Job], concurrency: int) -> list[Sample]:
         """`concurrency` streams, each sending its next job as soon as its previous one ended."""

@@ -188,3 +188,29 @@ def test_every_config_name_makes_a_request_id_the_api_accepts():
     for cfg in P.parse_configs("none,ngram:3,ngram:3+2,draft_model:2,auto", P.mode_max_k(POOLS)):
         rid = runner._request_id(Job("compare", cfg, prompt))
         assert GenerateRequest(prompt="x", request_id=rid).request_id == rid
+
+
+def test_sequential_requests_are_apart_by_the_settle_pause():
+    """The pause keeps one configuration's request out of another engine's busy-poll second."""
+    import asyncio
+    import time
+
+    from cluster.bench.runner import Job, Runner
+    from cluster.bench.workload import Prompt
+
+    runner = Runner(None, model=None, max_tokens=4)
+    starts = []
+
+    async def one(job):
+        starts.append(time.perf_counter())
+        return job.repeat
+
+    runner.one = one
+    cfg = P.parse_configs("none", P.mode_max_k(POOLS))[0]
+    jobs = [Job("compare", cfg, Prompt("p", "qa", "qa", "hi"), repeat=r) for r in range(3)]
+    assert asyncio.run(runner.run_sequential(jobs, settle_s=0.1)) == [0, 1, 2]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert all(g >= 0.1 for g in gaps), gaps
+    starts.clear()
+    asyncio.run(runner.run_sequential(jobs))
+    assert all(b - a < 0.05 for a, b in zip(starts, starts[1:]))

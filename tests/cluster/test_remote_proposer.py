@@ -20,12 +20,7 @@ from cluster.engine.remote_proposer import (  # noqa: E402
 from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP  # noqa: E402
 from deployments.drafter import DraftModel, Drafter, DraftServer  # noqa: E402
 from cluster.engine.draft_wire import SECRET_ENV  # noqa: E402
-from tests.drafter_peer import SECRET, tiny_llama  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    return tiny_llama()
+from tests.drafter_peer import SECRET  # noqa: E402
 
 
 @pytest.fixture

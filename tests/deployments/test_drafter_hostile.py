@@ -22,16 +22,11 @@ transformers = pytest.importorskip("transformers")
 from cluster.engine.draft_wire import AuthError, FrameReader, client_handshake, pack  # noqa: E402
 from cluster.engine.remote_proposer import RemoteDraftSession, SeqWork, TcpDraftClient  # noqa: E402
 from deployments.drafter import DraftModel, Drafter, DraftServer  # noqa: E402
-from tests.drafter_peer import SECRET, call, connect, greedy, send_body, tiny_llama  # noqa: E402
+from tests.drafter_peer import SECRET, call, connect, greedy, send_body  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 RECV_TIMEOUT_S = 0.5
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    return tiny_llama()
 
 
 def make_server(hf_model, **wire):

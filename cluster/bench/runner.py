@@ -61,6 +61,7 @@ STOCK_EXTRA = {"stream_options": {"include_usage": True}, "return_token_ids": Tr
 # and about a third of one-stream requests had a first token 1 s late.
 SETTLE_S = 1.2
 
+
 class Runner:
     """Sends jobs; `t0` (perf_counter) is the run's time origin; `on_done` is called per sample.
     `stock_clients`: baseline name -> client of its server. `request_timeout_s`: a request that has

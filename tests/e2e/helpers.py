@@ -43,8 +43,8 @@ async def chat_all(url: str, prompts: list[dict], spec: dict | None, max_tokens:
 
 
 @contextlib.asynccontextmanager
-async def held_batch(url: str, pool: str, n: int, spec: dict, timeout_s: float = 120.0):
-    """Hold `pool`'s engine batch at `n` or more: `n` plain streamed requests (1,500 tokens, ignore_eos)
+async def held_batch(url: str, pool: str, n: int, spec: dict, timeout_s: float = 120.0, max_tokens: int = 1500):
+    """Hold `pool`'s engine batch at `n` or more: `n` plain streamed requests (`max_tokens`, ignore_eos)
     that each have a token before the body runs, so all run in the engine together. The body gets
     their tasks; one that is done has ended early (check `held_batch_intact`). On exit the streams
     hang up, which aborts them in vLLM, and the engine is back to no requests.
@@ -53,7 +53,7 @@ async def held_batch(url: str, pool: str, n: int, spec: dict, timeout_s: float =
     proxy seconds after others sent with them, so fillers of a few seconds' work were done before
     the last one started, and the batch the test meant to build was not built."""
     body = {"messages": [{"role": "user", "content": "Write a long story about the sea."}],
-            "max_tokens": 1500, "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
             "specserve": {"speculative": spec}}
     started = [asyncio.Event() for _ in range(n)]
 

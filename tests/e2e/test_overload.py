@@ -1,7 +1,7 @@
-"""Overload: far more concurrent requests than a pool admits. The pool is held full (its engine's
-slots by long streams, its queue by short requests), then a burst of excess requests is sent: each
-gets 429 with a retry hint while the pool is still full (none waits for a slot), the queued ones
-complete once the pool frees, and the cluster's memory stays bounded."""
+"""Overload: far more concurrent requests than a pool admits. The pool's engine slots are held by
+long streams, then a burst of short requests is sent at once: those past the pool's queue get 429
+with a retry hint while the slots are still held (none waits for a slot), the queued ones complete
+once the streams end, and the cluster's memory stays bounded."""
 
 from __future__ import annotations
 

@@ -11,15 +11,17 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 # The service sections live in cluster.config_sections; importers reach every section through here.
 from cluster.config_sections import (  # noqa: F401
-    ApiConfig, AuthConfig, DrafterWireConfig, LimitsConfig, RayConfig, RedisConfig, RouterConfig, Strict, TeachingConfig,
-    TlsConfig,
+    ApiConfig, AuthConfig, DrafterWireConfig, LimitsConfig, RayConfig, RedisConfig, RouterConfig, Strict, SuffixConfig,
+    TeachingConfig, TlsConfig, check_prior_alpha,
 )
-from cluster.speculation import WORKLOAD_CLASSES, SpecMode
+from cluster.speculation import SpecMode
 
 # Methods that run on vLLM's CPU build here; the rest are passed through to vLLM on GPUs.
-CPU_METHODS = {SpecMode.NONE, SpecMode.NGRAM, SpecMode.DRAFT_MODEL, SpecMode.EAGLE, SpecMode.REMOTE_DRAFT}
+CPU_METHODS = {SpecMode.NONE, SpecMode.NGRAM, SpecMode.SUFFIX, SpecMode.DRAFT_MODEL, SpecMode.EAGLE, SpecMode.REMOTE_DRAFT}
 # Methods whose proposer is a separate set of weights named by `drafter`.
 DRAFTER_METHODS = {SpecMode.DRAFT_MODEL, SpecMode.EAGLE, SpecMode.EAGLE3}
+# Methods whose drafts come from lookup in the context (and, for suffix, earlier outputs).
+LOOKUP_METHODS = {SpecMode.NGRAM, SpecMode.SUFFIX}
 # Router calls of its own beside requests (status, models, tuning reads) in its admission bound.
 ROUTER_OWN_CALLS = 64
 
@@ -213,6 +215,14 @@ class PoolConfig(Strict):
     )
     ngram_min: int = Field(2, ge=1, description="n-gram method: shortest prompt match.")
     ngram_max: int = Field(5, ge=1, description="n-gram method: longest prompt match.")
+    suffix: Optional[SuffixConfig] = Field(
+        None,
+        description=(
+            "method ngram: the same engine also serves mode `suffix` (SuffixDecoding), chosen per request "
+            "(needs arctic-inference, which scripts/bootstrap.sh builds). method suffix: its settings (unset: "
+            "vLLM's defaults)."
+        ),
+    )
     replicas: int = Field(1, ge=1, description="Replicas when autoscaling is not set.")
     autoscaling: Optional[AutoscalingConfig] = Field(None, description="Ray Serve autoscaling of replicas.")
     max_ongoing_requests: int = Field(
@@ -290,12 +300,7 @@ class PoolConfig(Strict):
     @field_validator("prior_alpha")
     @classmethod
     def _prior_alpha(cls, v: dict[str, float]) -> dict[str, float]:
-        for c, a in v.items():
-            if c != "*" and c not in WORKLOAD_CLASSES:
-                raise ValueError(f"unknown workload class {c!r}; classes: {sorted(WORKLOAD_CLASSES)} or '*'")
-            if not 0.0 <= a <= 0.99:
-                raise ValueError(f"{c}: α must be within 0..0.99, got {a}")
-        return v
+        return check_prior_alpha(v)
 
     @model_validator(mode="after")
     def _method(self) -> "PoolConfig":
@@ -313,6 +318,9 @@ class PoolConfig(Strict):
             raise ValueError("engine_kwargs.trust_remote_code: set models.<model>.trust_remote_code on the model that needs it")
         if self.ngram_max < self.ngram_min:
             raise ValueError("ngram_max must be >= ngram_min")
+        if self.suffix is not None and self.method not in LOOKUP_METHODS:
+            raise ValueError(f"suffix: only pools with method 'ngram' or 'suffix' draft from a suffix tree, "
+                             f"not {self.method.value!r}")
         if self.k_grow_step and self.method in (SpecMode.NONE, SpecMode.REMOTE_DRAFT):
             raise ValueError(f"k_grow_step: method {self.method.value!r} cannot grow K "
                              "(none drafts nothing; remote_draft's drafter drafts the K it was asked)")
@@ -334,9 +342,29 @@ class PoolConfig(Strict):
         return self.step_k and self.max_k > 0 and self.method not in (SpecMode.NONE, SpecMode.REMOTE_DRAFT)
 
     @property
+    def uses_lookup_proposer(self) -> bool:
+        """Whether the engine drafts with specserve's lookup proposer (n-gram and suffix per request)
+        instead of vLLM's own: every pool that drafts from a suffix tree."""
+        return self.method == SpecMode.SUFFIX or (self.method == SpecMode.NGRAM and self.suffix is not None)
+
+    @property
+    def suffix_settings(self) -> SuffixConfig:
+        return self.suffix if self.suffix is not None else SuffixConfig()
+
+    @property
     def modes(self) -> list[SpecMode]:
-        """Modes a request can get from this pool: its method, and plain decoding (K = 0)."""
-        return [SpecMode.NONE] if self.method == SpecMode.NONE else [self.method, SpecMode.NONE]
+        """Modes a request can get from this pool: its method (n-gram pools with `suffix` set: and
+        suffix), and plain decoding (K = 0)."""
+        if self.method == SpecMode.NONE:
+            return [SpecMode.NONE]
+        extra = [SpecMode.SUFFIX] if self.method == SpecMode.NGRAM and self.suffix is not None else []
+        return [self.method, *extra, SpecMode.NONE]
+
+    def mode_prior_alpha(self, mode: SpecMode) -> dict[str, float]:
+        """The cold-start α table of one of the pool's modes."""
+        if mode == SpecMode.SUFFIX and self.method != SpecMode.SUFFIX:
+            return dict(self.suffix_settings.prior_alpha)
+        return dict(self.prior_alpha)
 
 
 class ClusterConfig(Strict):

@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cluster.speculation import SpecMode
+from cluster.speculation import WORKLOAD_CLASSES, SpecMode
 
 
 class Strict(BaseModel):
@@ -294,3 +294,30 @@ class RayConfig(Strict):
         if dup:
             raise ValueError(f"nodes: names must be unique and not 'head': {dup}")
         return self
+
+
+def check_prior_alpha(v: dict[str, float]) -> dict[str, float]:
+    """A cold-start α table: workload classes (or `*`) to α within 0..0.99."""
+    for c, a in v.items():
+        if c != "*" and c not in WORKLOAD_CLASSES:
+            raise ValueError(f"unknown workload class {c!r}; classes: {sorted(WORKLOAD_CLASSES)} or '*'")
+        if not 0.0 <= a <= 0.99:
+            raise ValueError(f"{c}: α must be within 0..0.99, got {a}")
+    return v
+
+
+class SuffixConfig(Strict):
+    """SuffixDecoding beside prompt lookup in one engine (`cluster/engine/lookup_proposer.py`): a
+    suffix tree over each prompt and over earlier requests' outputs (arctic-inference's), whose
+    drafts follow the match length. The knobs are vLLM's `suffix_decoding_*` settings."""
+
+    max_tree_depth: int = Field(24, ge=1, le=1024, description="Longest suffix matched, and depth of the trees.")
+    max_spec_factor: float = Field(
+        1.0, gt=0, le=64, description="A draft is at most this times the matched length long (and at most the request's K).")
+    min_token_prob: float = Field(
+        0.1, ge=0, le=1, description="A draft stops at a token whose estimated probability is below this.")
+    max_cached_requests: int = Field(
+        10000, ge=0, description="Earlier requests whose outputs the global tree keeps (0: the prompt's tree only).")
+    prior_alpha: Annotated[dict[str, float], AfterValidator(check_prior_alpha)] = Field(
+        default_factory=dict,
+        description="Cold-start α per workload class of suffix drafts (`*` for the rest); empty: built-in priors.")

@@ -37,6 +37,9 @@ EXTRA_ARGS_K_GROW = "specserve_k_grow"
 # request's K at every step, up to its `specserve_k`, from the batch as it is then
 # (`cluster.engine.step_k`; set by the router when the policy, not the caller, chose K).
 EXTRA_ARGS_K_STEP = "specserve_k_step"
+# The drafting method of a request in an engine that has more than one (n-gram and suffix lookup,
+# `cluster.engine.lookup_proposer`); absent: the pool's method.
+EXTRA_ARGS_MODE = "specserve_mode"
 
 # Accepted runs longer than this are counted as this long (`accepted_runs`); 4 x the largest K
 # here, so the cap changes no step count the policy compares.

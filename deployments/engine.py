@@ -16,13 +16,11 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from cluster.autoscale.policy import LatencyWindow
 from cluster.engine.coalesce import flush
-from cluster.engine.remote_proposer import (
-    PROPOSER_CLS_PATH, REMOTE_CONFIG_KEY, WORKER_EXTENSION_PATH, public_drafter_status,
-)
+from cluster.engine.remote_proposer import public_drafter_status
+from cluster.engine.vllm_args import engine_kwargs, speculative_config  # noqa: F401 - the replica's and tests' entry
 from cluster.config import PoolConfig
-from cluster.ops.placement import platform_engine_kwargs
-from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP, SpecMode, SpecStats, accepted_runs
-from cluster.engine.vllm_scheduler import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS_PATH, STEP_K_MAX_BATCH_KEY
+from cluster.speculation import (EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP, EXTRA_ARGS_MODE, SpecMode,
+                                 SpecStats, accepted_runs)
 from deployments.engine_death import EngineDead, engine_died
 
 log = logging.getLogger("specserve.engine")
@@ -90,56 +88,6 @@ class EngineChunk:
     replica: str = ""
 
 
-def speculative_config(pool: PoolConfig, drafter_path: Optional[str]) -> Optional[dict[str, Any]]:
-    """vLLM `speculative_config` for a pool (None for method none)."""
-    if pool.method == SpecMode.NONE:
-        return None
-    if pool.method == SpecMode.REMOTE_DRAFT:  # vLLM loads our proposer; the drafter is another deployment
-        return {"method": "custom_class", "model": PROPOSER_CLS_PATH, "num_speculative_tokens": pool.max_k}
-    cfg: dict[str, Any] = {"method": pool.method.value, "num_speculative_tokens": pool.max_k}
-    if pool.method == SpecMode.NGRAM:
-        cfg.update(prompt_lookup_min=pool.ngram_min, prompt_lookup_max=pool.ngram_max)
-    if drafter_path:
-        cfg["model"] = drafter_path
-    return cfg
-
-
-def engine_kwargs(
-    pool: PoolConfig, model_path: str, drafter_path: Optional[str], served_name: str, dtype: str = "auto",
-    cpu_build: Optional[bool] = None, trust_remote_code: bool = False,
-) -> dict[str, Any]:
-    """AsyncEngineArgs for one replica of `pool`; the pool's engine_kwargs win over our defaults.
-
-    `cpu_build` (None: detect) adds what the vLLM CPU build needs (`platform_engine_kwargs`).
-    """
-    kwargs: dict[str, Any] = dict(
-        model=model_path,
-        served_model_name=served_name,
-        dtype=dtype,
-        trust_remote_code=trust_remote_code,  # the model's own setting (ModelConfig.trust_remote_code)
-        max_model_len=pool.max_model_len,
-        tensor_parallel_size=pool.tensor_parallel_size,
-        scheduler_cls=SCHEDULER_CLS_PATH,
-        # Per-request K is applied on the synchronous path (update_draft_token_ids).
-        async_scheduling=False,
-        per_request_spec_decode_metrics="detailed",  # per-step drafted counts -> per-position rates
-        speculative_config=speculative_config(pool, drafter_path),
-        additional_config={ADDITIONAL_CONFIG_KEY: (
-            {STEP_K_MAX_BATCH_KEY: pool.step_k_max_batch} if pool.step_k_max_batch is not None else {})},
-        enable_log_requests=False,
-    )
-    if pool.method == SpecMode.REMOTE_DRAFT:
-        kwargs["worker_extension_cls"] = WORKER_EXTENSION_PATH  # the replica hands the proposer its drafter
-        kwargs["additional_config"][ADDITIONAL_CONFIG_KEY][REMOTE_CONFIG_KEY] = {
-            "timeout_s": pool.remote_timeout_s, "reprobe_s": pool.remote_reprobe_s,
-        }
-    if pool.tensor_parallel_size > 1:
-        kwargs["distributed_executor_backend"] = "ray"  # workers go into the replica's placement group
-    kwargs.update(pool.engine_kwargs)
-    # Under the pool's own values: a pool may set max_model_len, or re-enable chunked prefill.
-    return {**platform_engine_kwargs(int(kwargs["max_model_len"]), cpu_build), **kwargs}
-
-
 def stats_from_output(mode: str, k: int, completion_tokens: int, metrics: Any) -> SpecStats:
     """Turn vLLM's per-request RequestSpecDecodeMetrics (may be None) into our SpecStats.
 
@@ -205,6 +153,7 @@ class EngineServer:
         # method remote_draft: where the drafter deployment answers (asked through a Serve handle).
         self._drafter_endpoint = drafter_endpoint
         self._drafter_watch: Optional[asyncio.Task] = None
+        self._lookup_attached = False  # pools with the lookup proposer: its runner handed in
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -228,7 +177,7 @@ class EngineServer:
             logprobs=req.logprobs,
             ignore_eos=req.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
-            extra_args={EXTRA_ARGS_K: int(req.k),
+            extra_args={EXTRA_ARGS_K: int(req.k), EXTRA_ARGS_MODE: req.mode,
                         **({EXTRA_ARGS_K_CAP: [list(e) for e in req.k_cap_by_batch]} if req.k_cap_by_batch else {}),
                         **({EXTRA_ARGS_K_GROW: [int(x) for x in req.k_grow]} if req.k_grow else {}),
                         **({EXTRA_ARGS_K_STEP: float(req.k_step_alpha)} if req.k_step_alpha is not None else {})},
@@ -238,6 +187,8 @@ class EngineServer:
         """Stream the completion of `req`. Cancelling the consumer aborts the request in vLLM."""
         self._check_alive()
         self._ensure_drafter_watch()
+        if self.pool.uses_lookup_proposer and not self._lookup_attached:
+            await self._attach_lookup()
         if req.k > self.pool.max_k:
             raise ValueError(f"k={req.k} exceeds pool {self.pool_name!r} max_k={self.pool.max_k}")
         prompt = self._prompt(req)
@@ -368,6 +319,11 @@ class EngineServer:
             return {}
         return (await self._rpc("specserve_drafter_status", reset_samples))[0]
 
+    async def _attach_lookup(self) -> None:
+        """Hand the lookup proposer its model runner (once; until then it drafts n-gram for all)."""
+        status = (await self._rpc("specserve_attach_lookup"))[0]
+        self._lookup_attached = bool(status.get("attached"))
+
     async def _rpc(self, method: str, *args: Any) -> list[Any]:
         """`AsyncLLM.collective_rpc` bounded by RPC_TIMEOUT_S, here and in vLLM's executor (TimeoutError naming it)."""
         try:
@@ -390,6 +346,8 @@ class EngineServer:
         dead engine core fails it at once (EngineDead), and the replica retires."""
         self._check_alive()
         self._ensure_drafter_watch()
+        if self.pool.uses_lookup_proposer and not self._lookup_attached:
+            await self._attach_lookup()
         try:
             await self.engine.check_health()
         except Exception as e:  # noqa: BLE001 - a dead engine is EngineDead; other failures as they are

@@ -27,7 +27,8 @@ from cluster.policy import class_model, k_cap_table, load_bucket
 from cluster.policy.teaching import Lesson, Teacher
 from cluster.routing.deadline import Bounds
 from cluster.routing.route import (Decision, LoadMeter, PoolView, cap_at_admission, decision_summary, growth_rule,
-                                   load_domain, per_step_k, pool_load, pool_views, resolve_model, route, with_load)
+                                   drafting_mode, load_domain, per_step_k, pool_load, pool_views, resolve_model, route,
+                                   with_load)
 from deployments.engine import EngineChunk, EngineRequest
 from deployments.engine_call import RETRY_AFTER_S, engine_chunks, map_error
 from deployments.router_grpc import GrpcDoor
@@ -193,8 +194,10 @@ class Router(HttpDoor, GrpcDoor):
         """α of the decision's class for its pool's method: learned from traffic (the tuning state),
         else the pool's prior."""
         view = self.views[d.pool]
+        mode = drafting_mode(d, self.config.pools[d.pool])
+        priors = next((p for m, p in view.also if m == mode), view.prior_alpha)
         tuning = self.tuning.snapshot(model) if self.tuning is not None else None
-        return class_model(tuning, view.method.value, d.workload_class, view.prior_alpha)[0]
+        return class_model(tuning, mode.value, d.workload_class, priors)[0]
 
     def _cap_table(self, model: str, pool_name: str, max_age_s: float = 1.0) -> Optional[list[tuple[int, int]]]:
         """The pool's per-step K cap by batch size from the tuned state (recomputed at most every second)."""

@@ -22,7 +22,7 @@ def test_shipped_configs_load():
 
 def test_local_config_pools_and_modes():
     cfg = load_config(LOCAL_CPU)
-    assert [m.value for m in cfg.pools["ngram"].modes] == ["ngram", "none"]
+    assert [m.value for m in cfg.pools["ngram"].modes] == ["ngram", "suffix", "none"]
     assert cfg.pools["draft"].drafter == "smollm2-135m-eagle"
     assert cfg.pools["draft"].method.value == "eagle"
     assert cfg.models["smollm2-135m-eagle"].source.startswith("shipped:smollm2-135m:")

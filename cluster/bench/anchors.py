@@ -170,8 +170,9 @@ def table_baseline(pool: PoolConfig) -> Baseline:
 
 
 def parse_baselines(text: str, pool: Optional[PoolConfig], pool_name: str = "?") -> list[Baseline]:
-    """--baselines: comma list of `default` | `none` | `ngram:K` | `ngram:*` | `table`, n-gram lookup
-    from `pool` (which must be an n-gram pool for anything but `none`)."""
+    """--baselines: comma list of `default` | `none` | `ngram:K` | `ngram:*` | `table` | `suffix`, n-gram
+    lookup from `pool` (which must be an n-gram pool for anything but `none`); `suffix` is stock vLLM's
+    SuffixDecoding with its defaults."""
     out: list[Baseline] = []
     for token in (t.strip() for t in text.split(",") if t.strip()):
         if token != NONE and (pool is None or pool.method.value != "ngram"):
@@ -184,12 +185,14 @@ def parse_baselines(text: str, pool: Optional[PoolConfig], pool_name: str = "?")
             picked = [Baseline("stock-none")]
         elif token == "table":
             picked = [table_baseline(pool)]
+        elif token == "suffix":  # what `{"method": "suffix"}` gives a vLLM user: its defaults (K = tree depth)
+            picked = [Baseline("stock-suffix", {"method": "suffix"})]
         elif token == "ngram:*":
             picked = [Baseline(f"stock-ngram:{k}", ngram_spec(pool, k)) for k in range(1, pool.max_k + 1)]
         elif re.fullmatch(r"ngram:[1-9][0-9]*", token):
             picked = [Baseline(f"stock-{token}", ngram_spec(pool, int(token.split(":")[1])))]
         else:
-            raise ValueError(f"--baselines: unknown item {token!r} (default, none, ngram:K, ngram:*, table)")
+            raise ValueError(f"--baselines: unknown item {token!r} (default, none, ngram:K, ngram:*, table, suffix)")
         out += [b for b in picked if b.name not in {x.name for x in out}]
     return out
 

@@ -1,7 +1,7 @@
-"""Cold-start n-gram acceptance per workload class, from the tune half of the prompts only.
+"""Cold-start n-gram (or suffix) acceptance per workload class, from the tune half of the prompts only.
 
     python -m cluster.bench.prior_alpha [--config cluster/configs/local-cpu.yaml] [--pool ngram]
-        [--split tune] [--max-tokens 128] [--min-prompts 5]
+        [--method ngram|suffix] [--prompts FILE ...] [--split tune] [--max-tokens 128] [--min-prompts 5]
 
 Decodes every prompt of the split greedily without speculation in one offline vLLM engine built like
 the pool's (`deployments.engine.engine_kwargs`), replays each output through vLLM's own n-gram matcher
@@ -11,6 +11,11 @@ ones before it were, counted as the engine's per-request acceptance counts it (e
 success, each step whose drafts were not all accepted one failure). A class with fewer than
 `--min-prompts` prompts is served by `"*"`, pooled over those thin classes. The output is the pool's
 `prior_alpha` line.
+
+`--method suffix` replays the pool's SuffixDecoding settings instead (`PoolConfig.suffix`) through
+arctic-inference's suffix tree, over the prompts in file order with one cache, so each request's
+drafts may come from the outputs of the requests before it, as in a serving engine (the line is
+the pool's `suffix.prior_alpha`).
 """
 
 from __future__ import annotations
@@ -71,7 +76,40 @@ def class_alphas(per_request: Sequence[tuple[str, tuple[int, int, int, int]]], m
     return out
 
 
-def _greedy_outputs(config_path: str, pool_name: str, split: str, max_tokens: int) -> list[tuple[str, list[int], list[int]]]:
+class SuffixReplay:
+    """Replays requests one after another through one suffix cache, as the engine's lookup
+    proposer drafts for mode suffix (`cluster.engine.lookup_proposer`)."""
+
+    def __init__(self, settings):
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.s = settings
+        self.cache = SuffixDecodingCache(max_tree_depth=settings.max_tree_depth,
+                                         max_cached_requests=settings.max_cached_requests)
+        self.n = 0
+
+    def steps(self, prompt_ids: Sequence[int], output_ids: Sequence[int], k: int) -> list[Step]:
+        import numpy as np
+
+        self.n += 1
+        rid, seen = f"r{self.n}", [len(prompt_ids)]
+        self.cache.start_request(rid, np.asarray(prompt_ids, dtype=np.int32))
+
+        def propose(context, k):
+            self.cache.add_active_response(rid, [int(t) for t in context[seen[0]:]])
+            seen[0] = len(context)
+            return np.asarray(self.cache.speculate(
+                rid, np.asarray(context[-self.s.max_tree_depth:], dtype=np.int32), max_spec_tokens=k,
+                max_spec_factor=self.s.max_spec_factor, min_token_prob=self.s.min_token_prob).token_ids, dtype=np.int32)
+
+        steps = replay(prompt_ids, output_ids, StaticK(k), propose)
+        self.cache.add_active_response(rid, [int(t) for t in list(prompt_ids) + list(output_ids)][seen[0]:])
+        self.cache.stop_request(rid)
+        return steps
+
+
+def _greedy_outputs(config_path: str, pool_name: str, split: str, max_tokens: int,
+                    files: Sequence[str] = ()) -> list[tuple[str, list[int], list[int]]]:
     """(class, prompt ids, greedy output ids) per prompt of the split, from a plain engine built like
     the pool's (the stock anchors' arguments and environment: `cluster.bench.anchors`)."""
     config = load_config(config_path)
@@ -83,7 +121,8 @@ def _greedy_outputs(config_path: str, pool_name: str, split: str, max_tokens: in
     llm = LLM(**kwargs)
     tok = llm.get_tokenizer()
     rows = []
-    for p in keep(load_prompts(), split):
+    prompts = [p for f in files for p in keep(load_prompts(f), split)] if files else keep(load_prompts(), split)
+    for p in prompts:
         text = tok.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True)
         ids = tok(text, add_special_tokens=False).input_ids
         if len(ids) + max_tokens < pool.max_model_len:
@@ -98,20 +137,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cluster.bench.prior_alpha", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="cluster/configs/local-cpu.yaml")
     ap.add_argument("--pool", default="ngram")
+    ap.add_argument("--method", default="ngram", choices=("ngram", "suffix"))
+    ap.add_argument("--prompts", nargs="*", default=(), help="Spec-Bench-format files, in order (default: the shipped dev file)")
     ap.add_argument("--split", default=TUNE, choices=SPLITS)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--min-prompts", type=int, default=5)
     args = ap.parse_args(argv)
 
     pool = load_config(args.config).pools[args.pool]
-    propose = ngram_proposer(pool.ngram_min, pool.ngram_max)
-    rows = [(cls, counts(replay(ids, out, StaticK(pool.max_k), propose)))
-            for cls, ids, out in _greedy_outputs(args.config, args.pool, args.split, args.max_tokens)]
+    outputs = _greedy_outputs(args.config, args.pool, args.split, args.max_tokens, args.prompts)
+    if args.method == "suffix":
+        suffix = SuffixReplay(pool.suffix_settings)
+        rows = [(cls, counts(suffix.steps(ids, out, pool.max_k))) for cls, ids, out in outputs]
+    else:
+        propose = ngram_proposer(pool.ngram_min, pool.ngram_max)
+        rows = [(cls, counts(replay(ids, out, StaticK(pool.max_k), propose))) for cls, ids, out in outputs]
     for cls in sorted({c for c, _ in rows}):
         s, f, d, n = (sum(r[1][i] for r in rows if r[0] == cls) for i in range(4))
         print(f"# {cls}: {sum(1 for r in rows if r[0] == cls)} prompts, alpha {s / max(s + f, 1):.2f}, "
               f"drafting steps {d / max(n, 1):.2f}", file=sys.stderr)
-    print("prior_alpha: " + json.dumps(class_alphas(rows, args.min_prompts)))
+    print(("suffix.prior_alpha: " if args.method == "suffix" else "prior_alpha: ")
+          + json.dumps(class_alphas(rows, args.min_prompts)))
     return 0
 
 

@@ -216,7 +216,8 @@ def choose_auto(
     `router` is accepted for the routing contract (its default_k is not used: priors replace it)."""
     del router
     rng = rng if rng is not None else (tuning.rng if tuning is not None else None)
-    cands = [score_pool(p, workload_class, tuning, params) for p in pools]
+    # A pool whose engine serves two drafting methods (n-gram and suffix) is two candidates.
+    cands = [score_pool(v, workload_class, tuning, params) for p in pools for v in p.by_method()]
     chosen, k, best = _pick([(c, c.k, c.scores[c.k]) for c in cands], params.tie_tol)
     explore = False
     if rng is not None:
@@ -236,7 +237,8 @@ def choose_auto(
         "step_overhead": round(chosen.overheads[k] if k < len(chosen.overheads) else 0.0, 4),
         "expected_tokens_per_step": round(chosen.expected(k, params=params), 4),
         "score": round(chosen.scores[k], 4),
-        "scores": {c.pool.name: round(c.scores[c.k], 4) for c in cands},
+        "scores": {(c.pool.name if c.pool.method == p.method else f"{c.pool.name}:{c.mode}"): round(c.scores[c.k], 4)
+                   for p in pools for c in cands if c.pool.name == p.name},
         "k_scores": {str(j): round(s, 4) for j, s in sorted(chosen.scores.items())},  # the chosen pool's
         # the incumbent K was kept though another K scored higher (within the hysteresis margin)
         "hysteresis": not explore and k != min(best_k(chosen.scores, params.tie_tol), chosen.pool.max_k),

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from cluster.speculation import SpecMode
@@ -26,10 +26,26 @@ class PoolView:
     prior_alpha: tuple[tuple[str, float], ...] = ()  # (workload class or "*", α): measured cold-start priors
     prior_draft_cost: Optional[tuple[float, float]] = None  # (per step, per token): PoolConfig.prior_draft_cost
     auto: bool = True  # the auto policy may choose this pool (PoolConfig.auto)
+    # Other drafting methods the same engine serves per request, with their cold-start priors
+    # (an n-gram pool with `suffix` set: ((SpecMode.SUFFIX, priors),)).
+    also: tuple[tuple[SpecMode, tuple[tuple[str, float], ...]], ...] = ()
 
     @property
     def modes(self) -> tuple[SpecMode, ...]:
-        return (SpecMode.NONE,) if self.method == SpecMode.NONE else (self.method, SpecMode.NONE)
+        if self.method == SpecMode.NONE:
+            return (SpecMode.NONE,)
+        return (self.method, *(m for m, _ in self.also), SpecMode.NONE)
+
+    def by_method(self) -> tuple["PoolView", ...]:
+        """One view per drafting method of the pool's engine (same name, load and K bound), for
+        the policy to score each method as a candidate.
+
+        >>> v = PoolView("ngram", "m", SpecMode.NGRAM, 6, also=((SpecMode.SUFFIX, (("*", 0.5),)),))
+        >>> [(x.name, x.method.value, x.prior_alpha, x.also) for x in v.by_method()]
+        [('ngram', 'ngram', (), ()), ('ngram', 'suffix', (('*', 0.5),), ())]
+        """
+        return (replace(self, also=()),
+                *(replace(self, method=m, prior_alpha=priors, also=()) for m, priors in self.also))
 
     @property
     def proposer_rank(self) -> int:

@@ -74,6 +74,8 @@ def pool_views(config: ClusterConfig) -> list[PoolView]:
             prior_draft_cost=(p.prior_draft_cost.per_step, p.prior_draft_cost.per_token)
             if p.prior_draft_cost is not None else None,
             auto=p.auto,
+            also=tuple((m, tuple(sorted(p.mode_prior_alpha(m).items())))
+                       for m in p.modes if m not in (p.method, SpecMode.NONE)),
         )
         for name, p in config.pools.items()
     ]
@@ -138,7 +140,7 @@ def _pools_for_mode(pools: list[PoolView], mode: SpecMode) -> list[PoolView]:
     if mode == SpecMode.NONE:
         best = min(p.proposer_rank for p in pools)
         return [p for p in pools if p.proposer_rank == best]
-    return [p for p in pools if p.method == mode]
+    return [p for p in pools if mode in p.modes]
 
 
 def route(
@@ -198,6 +200,22 @@ def _auto_pools(pools: list[PoolView]) -> list[PoolView]:
     return [p for p in pools if p.auto] or pools
 
 
+def drafting_mode(decision: Decision, pool: PoolConfig) -> SpecMode:
+    """The drafting method behind a decision on `pool`: its mode, or, for K = 0, the method of the
+    candidate the policy scored (`detail["pool_mode"]`; a pool may serve two), else the pool's.
+
+    >>> p = PoolConfig(model="m", method="ngram", max_k=6, suffix={})
+    >>> drafting_mode(Decision("ngram", SpecMode.NONE, 0, "policy", detail={"pool_mode": "suffix"}), p).value
+    'suffix'
+    >>> drafting_mode(Decision("ngram", SpecMode.NONE, 0, "policy"), p).value
+    'ngram'
+    """
+    if decision.mode != SpecMode.NONE:
+        return decision.mode
+    mode = decision.detail.get("pool_mode", pool.method.value)
+    return SpecMode(mode) if mode in {m.value for m in pool.modes} and mode != SpecMode.NONE.value else pool.method
+
+
 def per_step_k(decision: Decision, pool: PoolConfig, class_alpha: float) -> Decision:
     """A policy decision on a pool that chooses K per step (`PoolConfig.step_k`) runs the pool's
     method up to its max_k, the engine choosing K at every step from the batch and the request's
@@ -215,7 +233,7 @@ def per_step_k(decision: Decision, pool: PoolConfig, class_alpha: float) -> Deci
     if decision.decided_by != "policy" or not pool.uses_step_k:
         return decision
     alpha = min(max(float(class_alpha), 0.0), 1.0)
-    return replace(decision, mode=pool.method, k=pool.max_k,
+    return replace(decision, mode=drafting_mode(decision, pool), k=pool.max_k,
                    detail={**decision.detail, "k_step_alpha": round(alpha, 4), "k_policy": decision.k})
 
 

@@ -1,5 +1,5 @@
 """Issue 2 end to end, on the real local cluster: text through Ray Serve and vLLM with stats,
-greedy losslessness of every CPU mode at every K, and per-request K inside one engine."""
+greedy losslessness of every CPU mode at every K, per-request K and mode inside one engine."""
 
 from __future__ import annotations
 
@@ -60,12 +60,12 @@ def test_greedy_output_identical_with_speculation_on_and_off(cluster):
     assert len(prompts) == N_PROMPTS
     models = httpx.get(f"{cluster.http_url}/v1/models", timeout=30).json()
     pools = models["data"][0]["specserve"]["pools"]
-    configs = [{"mode": p["method"], "k": k} for p in pools if p["method"] != "none" for k in range(1, p["max_k"] + 1)]
-    assert {c["mode"] for c in configs} == {"ngram", "eagle"}
+    configs = [{"mode": m, "k": k} for p in pools for m in p["modes"] if m != "none" for k in range(1, p["max_k"] + 1)]
+    assert {c["mode"] for c in configs} == {"ngram", "suffix", "eagle"}
 
     async def run_all():
         base = await chat_all(cluster.http_url, prompts, {"mode": "none"}, MAX_TOKENS, logprobs=True, top_logprobs=2)
-        # Every configuration in flight together, 4 requests each (36 at once): more would queue some
+        # Every configuration in flight together, 4 requests each (60 at once): more would queue some
         # past the router's deadlines on 2 cores, which tests the burst, not losslessness.
         runs = await asyncio.gather(*[chat_all(cluster.http_url, prompts, c, MAX_TOKENS, concurrency=4) for c in configs])
         return base, runs
@@ -84,6 +84,30 @@ def test_greedy_output_identical_with_speculation_on_and_off(cluster):
                 gap = lps[0] - lps[1] if len(lps) > 1 else None
                 mismatches.append((cfg, p["id"], i, gap))
     assert not mismatches, f"{len(mismatches)} greedy mismatches (config, question, position, top-2 logprob gap): {mismatches[:20]}"
+
+
+def test_suffix_requests_draft_from_earlier_outputs_beside_ngram_requests_in_one_engine(cluster):
+    """Mode suffix is served by the n-gram pool's engine (cluster/engine/lookup_proposer.py): a
+    second request whose answer repeats an earlier request's answer gets it as drafts, which prompt
+    lookup cannot see; n-gram and suffix requests share the engine's batches, text unchanged."""
+    first = "Write a haiku about a lighthouse keeper who counts the waves at night."
+    second = "Write a haiku about a lighthouse keeper who counts the waves at night, please."
+
+    async def run():
+        async with httpx.AsyncClient() as client:
+            a = await chat(client, cluster.http_url, first, 48, {"mode": "ngram", "k": 4})
+            b = await asyncio.gather(chat(client, cluster.http_url, second, 48, {"mode": "suffix", "k": 4}),
+                                     chat(client, cluster.http_url, second, 48, {"mode": "ngram", "k": 4}),
+                                     chat(client, cluster.http_url, second, 48, {"mode": "none"}))
+            return a, b
+
+    a, (suffix, ngram, plain) = asyncio.run(run())
+    assert suffix["specserve"]["mode"] == "suffix" and suffix["specserve"]["pool"] == ngram["specserve"]["pool"]
+    assert suffix["specserve"]["token_ids"] == ngram["specserve"]["token_ids"] == plain["specserve"]["token_ids"]
+    shared = next((i for i, (x, y) in enumerate(zip(a["specserve"]["token_ids"], plain["specserve"]["token_ids"]))
+                   if x != y), len(plain["specserve"]["token_ids"]))
+    assert shared >= 16, "the two prompts should start their answers alike; pick others"
+    assert suffix["specserve"]["accepted"] >= shared // 2 > ngram["specserve"]["accepted"], (suffix, ngram)
 
 
 def test_per_request_k_is_applied_inside_one_engine_concurrently(cluster):

@@ -1,0 +1,133 @@
+"""The lookup proposer: n-gram lookup and SuffixDecoding per request in one engine.
+
+Built with the real pieces it wraps (vLLM's n-gram kernel, arctic-inference's suffix tree) and a
+stand-in for vLLM's model runner (request ids, token buffer, sampling parameters)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from cluster.config import ConfigError, parse_config
+from cluster.engine.lookup_proposer import LookupProposer, plan_drafts
+from cluster.engine.vllm_args import engine_kwargs, speculative_config
+from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_MODE, SpecMode
+
+MAX_LEN = 64
+
+
+def vllm_config(k_max=4, ngram=True, suffix=None):
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=k_max),
+        model_config=SimpleNamespace(max_model_len=MAX_LEN),
+        scheduler_config=SimpleNamespace(max_num_seqs=8),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        additional_config={"specserve": {"lookup": {"method": "ngram" if ngram else "suffix", "ngram": ngram,
+                                                    "ngram_min": 1, "ngram_max": 3, "suffix": suffix or {}}}},
+    )
+
+
+class Runner:
+    """What the proposer reads of vLLM's GPU/CPU model runner."""
+
+    def __init__(self, seqs: dict[str, tuple[list[int], list[int]]], extra: dict[str, dict]):
+        self.tokens = np.zeros((8, MAX_LEN), dtype=np.int32)
+        self.set(seqs)
+        self.requests = {r: SimpleNamespace(sampling_params=SimpleNamespace(extra_args=e)) for r, e in extra.items()}
+
+    def set(self, seqs):
+        ids = list(seqs)
+        self.input_batch = SimpleNamespace(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                           token_ids_cpu=self.tokens, num_prompt_tokens=np.zeros(8, dtype=np.int32))
+        self.lengths = np.zeros(8, dtype=np.int32)
+        for i, (prompt, out) in enumerate(seqs.values()):
+            seq = prompt + out
+            self.tokens[i, :len(seq)] = seq
+            self.lengths[i] = len(seq)
+            self.input_batch.num_prompt_tokens[i] = len(prompt)
+
+
+def step(proposer, runner, sampled):
+    return proposer.propose(sampled, runner.lengths, runner.tokens)
+
+
+def test_each_request_drafts_by_its_own_method_up_to_its_own_k():
+    prompt = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7]
+    seqs = {"a": (prompt, [8]), "b": (prompt, [8]), "c": (prompt, [8])}
+    extra = {"a": {EXTRA_ARGS_MODE: "ngram", EXTRA_ARGS_K: 2}, "b": {EXTRA_ARGS_MODE: "suffix", EXTRA_ARGS_K: 4},
+             "c": {EXTRA_ARGS_MODE: "none", EXTRA_ARGS_K: 0}}
+    p = LookupProposer(vllm_config())
+    runner = Runner(seqs, extra)
+    p.attach(runner)
+    drafts = step(p, runner, [[8], [8], [8]])
+    assert drafts[0] == [9, 10]  # prompt lookup: "7 8" continues "9 10 ..."
+    assert drafts[1][:3] == [9, 10, 11] and len(drafts[1]) <= 4  # the prompt's suffix tree
+    assert drafts[2] == []  # K = 0 drafts nothing
+    assert p.status()["active_requests"] == 3  # every decoding request feeds the trees
+
+
+def test_suffix_drafts_from_an_earlier_requests_output_that_ngram_cannot_see():
+    """The global tree: a second request with a new prompt gets the first one's output as drafts."""
+    p = LookupProposer(vllm_config(k_max=6))
+    out = [40, 41, 42, 43, 44, 45, 46, 47]
+    runner = Runner({"first": ([1, 2, 3], [])}, {"first": {EXTRA_ARGS_MODE: "ngram", EXTRA_ARGS_K: 6}})
+    p.attach(runner)
+    for n in range(1, len(out) + 1):  # the first request decodes its output token by token
+        runner.set({"first": ([1, 2, 3], out[:n])})
+        step(p, runner, [[out[n - 1]]])
+    second = {EXTRA_ARGS_MODE: "suffix", EXTRA_ARGS_K: 6}
+    runner.requests = {"second": SimpleNamespace(sampling_params=SimpleNamespace(extra_args=second))}
+    runner.set({"second": ([9, 8, 7], [40, 41, 42])})  # the first left the batch: its output is cached
+    # A draft is at most max_spec_factor (1.0) x the matched length (3) long.
+    assert step(p, runner, [[42]])[0] == [43, 44, 45]
+    runner.requests["second"].sampling_params.extra_args = {EXTRA_ARGS_MODE: "ngram", EXTRA_ARGS_K: 6}
+    assert step(p, runner, [[42]])[0] == []  # its own context has no earlier "42"
+
+
+def test_mid_prefill_and_the_context_end_draft_nothing_and_before_attach_ngram_drafts_for_all():
+    assert plan_drafts(["suffix", "ngram"], [4, 4], [False, True], [10, MAX_LEN - 1], MAX_LEN).ks == (0, 0)
+    p = LookupProposer(vllm_config())
+    runner = Runner({"a": ([5, 6, 7, 5, 6], [])}, {})
+    assert step(p, runner, [[6]]) == [[7, 5, 6]]  # n-gram, K_max = 4, the match runs 3 more tokens
+
+
+def test_a_suffix_only_pool_drafts_every_request_from_the_tree():
+    p = LookupProposer(vllm_config(ngram=False))
+    runner = Runner({"a": ([5, 6, 7, 8, 5], [6])}, {"a": {EXTRA_ARGS_MODE: "ngram", EXTRA_ARGS_K: 2}})
+    p.attach(runner)
+    assert p.ngram is None and step(p, runner, [[6]]) == [[7, 8]]
+
+
+def test_a_failing_lookup_costs_drafts_not_the_engine():
+    p = LookupProposer(vllm_config())
+    p.attach(SimpleNamespace())  # a runner without a batch
+    assert step(p, Runner({"a": ([1, 2], [])}, {}), [[2]]) == [[]] and p.errors == 1
+
+
+CONFIG = {"models": {"m": {"source": "hf:x/y"}}, "pools": {"ngram": {"model": "m", "method": "ngram", "max_k": 6, "suffix": {}}}}
+
+
+def test_an_ngram_pool_with_suffix_serves_three_modes_in_one_engine_with_the_lookup_proposer():
+    pool = parse_config(CONFIG).pools["ngram"]
+    assert [m.value for m in pool.modes] == ["ngram", "suffix", "none"]
+    assert speculative_config(pool, None) == {"method": "custom_class", "num_speculative_tokens": 6,
+                                              "model": "cluster.engine.lookup_proposer.LookupProposer"}
+    kw = engine_kwargs(pool, "/m", None, "m", cpu_build=True)
+    assert kw["worker_extension_cls"] == "cluster.engine.lookup_proposer.LookupWorkerExtension"
+    assert kw["additional_config"]["specserve"]["lookup"]["suffix"] == {
+        "max_tree_depth": 24, "max_spec_factor": 1.0, "min_token_prob": 0.1, "max_cached_requests": 10000}
+    plain = parse_config({**CONFIG, "pools": {"ngram": {"model": "m", "method": "ngram", "max_k": 6}}}).pools["ngram"]
+    assert speculative_config(plain, None)["method"] == "ngram" and SpecMode.SUFFIX not in plain.modes
+
+
+@pytest.mark.parametrize("pool,field", [
+    ({"method": "eagle", "drafter": "m", "suffix": {}}, "suffix"),
+    ({"method": "ngram", "suffix": {"min_token_prob": 2}}, "min_token_prob"),
+    ({"method": "ngram", "suffix": {"prior_alpha": {"poetry": 0.5}}}, "poetry"),
+    ({"method": "ngram", "suffix": {"tree_depth": 3}}, "tree_depth"),
+])
+def test_bad_suffix_settings_name_the_field(pool, field):
+    with pytest.raises(ConfigError, match=field):
+        parse_config({**CONFIG, "pools": {"p": {"model": "m", "max_k": 3, **pool}}})

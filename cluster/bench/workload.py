@@ -4,7 +4,8 @@ A line is `{"question_id", "category", "turns": [...]}`; only the first turn is 
 message (the server applies the chat template). Spec-Bench's six *tasks* are the reporting groups:
 its eight MT-bench categories form the task `mt_bench`; every other category is its own task.
 The default file ships with the package (`cluster/data/specbench-dev.jsonl`, Apache-2.0, see
-`cluster/data/SPEC-BENCH-LICENSE`).
+`cluster/data/SPEC-BENCH-LICENSE`). A second one, `cluster/data/repeated-structure.jsonl`
+(`cluster.bench.repeated`), holds four categories of prompts whose outputs repeat one structure, each its own task.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ WORKLOAD_CLASS_OF = {
     "coding": "code", "extraction": "extraction", "stem": "qa", "humanities": "qa",
     "translation": "translation", "summarization": "summarization", "qa": "qa",
     "math_reasoning": "math", "rag": "rag",
+    # The repeated-structure workload (cluster/bench/repeated.py): each category is its own task.
+    "templated_extraction": "extraction", "agent_loop": "structured", "code_edit": "code", "form_chat": "chat",
 }
 
 

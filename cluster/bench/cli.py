@@ -32,7 +32,8 @@ from cluster.bench.phases import PhaseRun, estimate, log, print_estimate, run_ph
 from cluster.bench.report import build_summary, git_short_rev, render_markdown, results_dir, write_results
 from cluster.bench.runner import SETTLE_S
 from cluster.bench.split import ALL, SPLITS, keep
-from cluster.bench.workload import DEFAULT_PROMPTS_PATH, interleave_tasks, load_prompts, select
+from cluster.bench.workload import (DEFAULT_PROMPTS_PATH, Prompt, interleave_tasks, load_prompts, select,
+                                    select_per_repeat)
 from cluster.client import DEFAULT_URL, ClientError, SpecServeClient
 from cluster.config import load_config
 from cluster.ops.models import resolve_model
@@ -74,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--temperatures", default=None, help="Comparison temperatures; 0 is greedy (quick '0', full '0,0.7').")
     a("--top-p", type=float, default=None, help="top_p of the sampled runs.")
     a("--repeats", type=int, default=None, help="Repeats of the greedy comparison (quick 1, full 2).")
+    a("--fresh-per-repeat", action="store_true",
+      help="Every repeat of the comparisons draws its own --prompts-per-task prompts per task (disjoint, seeded, "
+           "the same for every configuration), so that a drafter that remembers earlier outputs (suffix) does not "
+           "meet its own answer to the same prompt again. Needs repeats x --prompts-per-task prompts per task.")
     a("--sampled-repeats", type=int, default=None, help="Repeats of each sampled comparison (1).")
     a("--settle-s", type=float, default=SETTLE_S,
       help=f"Quiet before each one-stream request ({SETTLE_S:g}): a vLLM engine's worker and engine core "
@@ -162,8 +167,15 @@ def _floats(text: str, name: str) -> list[float]:
         raise ValueError(f"{name}: expected comma-separated numbers, got {text!r}") from None
 
 
+def _comparison_repeats(args: argparse.Namespace, temperatures: list[float]) -> int:
+    """The most repeats any comparison runs: the greedy one's (--repeats), each sampled one's (--sampled-repeats)."""
+    return max([1] + ([args.repeats] if 0 in temperatures else [])
+               + ([args.sampled_repeats] if any(t > 0 for t in temperatures) else []))
+
+
 def _inputs(args: argparse.Namespace):
-    """Step 1: temperatures, stream counts, the prompt file, the task filter and the selected prompts."""
+    """Step 1: temperatures, stream counts, the prompt file (its --split half), the task filter, the selected
+    prompts and, with --fresh-per-repeat, one draw per repeat of the comparisons (the first is `prompts`)."""
     temperatures = _floats(args.temperatures, "--temperatures")
     levels = _ints(args.concurrency, "--concurrency")
     for name, value in (("--sweep-rounds", args.sweep_rounds), ("--trace-rounds", args.trace_rounds)):
@@ -173,10 +185,15 @@ def _inputs(args: argparse.Namespace):
         raise ValueError(f"--sweep-requests: expected a positive integer, got {args.sweep_requests}")
     prompts_all = keep(load_prompts(args.prompts), args.split)
     tasks = [t.strip() for t in args.tasks.split(",")] if args.tasks else None
-    prompts = select(prompts_all, args.prompts_per_task, args.seed, tasks, args.max_prompt_chars)
+    draws: list[list[Prompt]] = []  # --fresh-per-repeat: the comparisons' prompts, one draw per repeat
+    if args.fresh_per_repeat:
+        draws = select_per_repeat(prompts_all, args.prompts_per_task, _comparison_repeats(args, temperatures),
+                                  args.seed, tasks, args.max_prompt_chars)
+    prompts = draws[0] if draws else select(prompts_all, args.prompts_per_task, args.seed, tasks,
+                                            args.max_prompt_chars)
     if not prompts:
         raise ValueError("no prompt left after --tasks / --max-prompt-chars")
-    return temperatures, levels, prompts_all, tasks, prompts
+    return temperatures, levels, prompts_all, tasks, prompts, draws
 
 
 def _baselines(args: argparse.Namespace, model_id: str, configs: list[P.BenchConfig],
@@ -222,7 +239,8 @@ def _print_plan(run_: PhaseRun, args, baselines: list[A.Baseline], pool_name: Op
         f"max_tokens {args.max_tokens}; configs: {', '.join(c.name for c in configs)}; temperatures "
         f"{run_.temperatures}; streams {levels}; sweep {run_.sweep_spec} in {args.sweep_rounds} rounds of "
         f"{', '.join(str(P.sweep_requests(c, len(prompts), per_phase=args.sweep_requests)) for c in levels if c > 1)}"
-        f" requests per phase; open loop {args.rate or 'off'} req/s")
+        f" requests per phase; open loop {args.rate or 'off'} req/s"
+        + (f"; fresh prompts in each of {len(run_.repeat_prompts)} repeats" if run_.repeat_prompts else ""))
     if baselines:
         log(f"bench: baselines (stock vLLM" + (f", started like pool {pool_name}'s engine" if pool_name else "")
             + "): " + "; ".join(b.describe() for b in baselines))
@@ -240,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
     args = _resolve(args)
     # 1. Inputs.
     try:
-        temperatures, levels, prompts_all, tasks, prompts = _inputs(args)
+        temperatures, levels, prompts_all, tasks, prompts, draws = _inputs(args)
         with SpecServeClient(args.url, timeout_s=30.0, api_key=args.api_key) as c:
             models = c.models()
     except (ValueError, OSError) as e:
@@ -291,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
         sweep_requests_per_phase=args.sweep_requests)
     run_ = PhaseRun(args=args, model=model.id, configs=configs, sweep_spec=sweep_spec, prompts=prompts,
                     sweep_prompts=sweep_prompts, temperatures=temperatures, levels=levels, max_k=max_k or {},
-                    shape=shape, pools=model.pools,
+                    shape=shape, pools=model.pools, repeat_prompts=draws,
                     arrivals=T.build_schedule(offsets, sweep_prompts, args.max_tokens, generated))
     n_started = sum(1 for b in baselines if not b.url)
     _print_plan(run_, args, baselines, pool_name, trace_source, n_started)
@@ -303,8 +321,9 @@ def run(args: argparse.Namespace) -> int:
     folder = results_dir(Path(args.results_dir), rev=git_short_rev())
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "url": args.url, "model": model.id,
             "git_rev": git_short_rev(), "prompts_file": args.prompts, "max_tokens": args.max_tokens,
-            "prompts": [p.question_id for p in prompts], "configs": [c.name for c in configs], "slo": slo.__dict__,
-            "pools": model.pools, "args": {k: v for k, v in vars(args).items() if k != "api_key" and not callable(v)}}
+            "prompts": [p.question_id for p in run_.all_compared], "configs": [c.name for c in configs],
+            "slo": slo.__dict__, "pools": model.pools,
+            "args": {k: v for k, v in vars(args).items() if k != "api_key" and not callable(v)}}
     try:
         for b in baselines:
             if b.url:
@@ -319,6 +338,8 @@ def run(args: argparse.Namespace) -> int:
                     stock_commands={s.name: s.argv for s in servers})
     if run_.arrivals:
         meta["trace"] = {**T.schedule_shape(run_.arrivals), "source": trace_source}
+    if draws:
+        meta["repeat_prompts"] = [[p.question_id for p in d] for d in draws]
     try:
         with A.StockFleet(servers, pool.startup_timeout_s if pool else 600.0, log=log,
                           external={b.name: b.url for b in baselines if b.url}) as urls:

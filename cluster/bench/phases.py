@@ -5,8 +5,9 @@ send, decided by `cluster.bench.cli`) and appends one `Sample` per request to `r
 
 2. Warm-up (excluded): the no-speculation greedy reference with top-2 logprobs; every prompt of
    the comparison once through every engine with max_tokens 1 (`warm`); one request per configuration.
-3. Greedy comparison at one stream, interleaved and repeated (cluster configurations and baselines).
-4. Sampled comparison.
+3. Greedy comparison at one stream, interleaved and repeated (cluster configurations and baselines);
+   with `repeat_prompts` (--fresh-per-repeat) repeat r sends its own draw, and 2. ran all the draws.
+4. Sampled comparison (its repeat r sends the same draw as the greedy repeat r).
 5. Closed-loop sweep in rounds (`plan.sweep_round_orders`); before each round its prompts go once
    through every engine the sweep's configurations reach. Every configuration then finds the same
    prompts in its engine's prefix cache: the prefix cache matches full blocks of a request's own
@@ -60,6 +61,18 @@ class PhaseRun:
     stock_urls: dict[str, str] = field(default_factory=dict)  # baseline name -> its server
     arrivals: list[Arrival] = field(default_factory=list)  # the trace's schedule (empty: no trace)
     samples: list[Sample] = field(default_factory=list)
+    # --fresh-per-repeat: the comparisons' prompts per repeat (disjoint; the first is `prompts`); empty:
+    # `prompts` in every repeat.
+    repeat_prompts: list[list[Prompt]] = field(default_factory=list)
+
+    def compared(self, repeat: int) -> list[Prompt]:
+        """The prompts repeat `repeat` of a comparison sends, in the order of `plan.interleaved_order`."""
+        return self.repeat_prompts[repeat] if self.repeat_prompts else self.prompts
+
+    @property
+    def all_compared(self) -> list[Prompt]:
+        """Every prompt a comparison sends (the reference and the warm-up run each once)."""
+        return unique_prompts([p for draw in self.repeat_prompts for p in draw]) or self.prompts
 
 
 def unique_prompts(prompts: list[Prompt]) -> list[Prompt]:
@@ -85,7 +98,7 @@ async def run_phases(run: PhaseRun) -> None:
     from tqdm import tqdm
 
     args, configs, prompts, samples = run.args, run.configs, run.prompts, run.samples
-    bar = tqdm(total=len(prompts) + len(configs) * len(prompts) * run.shape.greedy_repeats, file=sys.stderr,
+    bar = tqdm(total=len(run.all_compared) + len(configs) * len(prompts) * run.shape.greedy_repeats, file=sys.stderr,
                unit="req", dynamic_ncols=True)
 
     def done(s: Sample) -> None:
@@ -119,11 +132,11 @@ async def _measure(run: PhaseRun, runner: Runner, send, warm, bar) -> None:
 
     # 2. Warm-up (excluded): the reference with top-2 logprobs, every prompt in every engine, one
     # request per configuration.
-    await runner.run_sequential([Job("reference", none, p, logprobs=2) for p in prompts])
+    await runner.run_sequential([Job("reference", none, p, logprobs=2) for p in run.all_compared])
     ref = [s for s in samples if s.phase == "reference" and s.ok]
     lat = sum(s.latency_s or 0 for s in ref)
     tps1 = sum(s.output_tokens for s in ref) / lat if lat else args.assumed_tokens_per_s
-    await warm(configs, prompts)
+    await warm(configs, run.all_compared)
     await runner.run_sequential([Job("warmup", c, prompts[i % len(prompts)], max_tokens=8)
                                  for i, c in enumerate(configs)])
     bar.clear()
@@ -134,7 +147,7 @@ async def _measure(run: PhaseRun, runner: Runner, send, warm, bar) -> None:
     async def compare(cfgs: list[P.BenchConfig], temp: float, repeats: int) -> None:
         order = P.interleaved_order(len(cfgs), len(prompts), repeats)
         bar.total += len(order) if temp > 0 else 0
-        jobs = [Job("compare", cfgs[ci], prompts[pi], temperature=temp, repeat=r,
+        jobs = [Job("compare", cfgs[ci], run.compared(r)[pi], temperature=temp, repeat=r,
                     seed=None if temp == 0 else args.seed * 100003 + r * 1009 + pi) for r, pi, ci in order]
         await runner.run_sequential(jobs, settle_s=args.settle_s)
 

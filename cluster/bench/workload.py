@@ -82,13 +82,10 @@ def load_prompts(path: Optional[str | Path] = None) -> list[Prompt]:
     return parse_lines(path.read_text(encoding="utf-8").splitlines(), str(path))
 
 
-def select(prompts: list[Prompt], per_task: int, seed: int = 0, tasks: Optional[list[str]] = None,
-           max_prompt_chars: Optional[int] = None) -> list[Prompt]:
-    """Up to `per_task` prompts of each task (seeded draw, stable under file order), grouped by task.
-
-    Prompts longer than `max_prompt_chars` are skipped (they would not fit the engines' context).
-    `tasks` filters by task or by file category.
-    """
+def _by_task(prompts: list[Prompt], tasks: Optional[list[str]],
+             max_prompt_chars: Optional[int]) -> dict[str, list[Prompt]]:
+    """The prompts `tasks` keeps (a task or a file category) that are not longer than `max_prompt_chars`,
+    per task, each group in question_id order (so a draw does not depend on the file's order)."""
     by_task: dict[str, list[Prompt]] = {}
     for p in prompts:
         if tasks and p.task not in tasks and p.category not in tasks:
@@ -96,12 +93,41 @@ def select(prompts: list[Prompt], per_task: int, seed: int = 0, tasks: Optional[
         if max_prompt_chars and len(p.text) > max_prompt_chars:
             continue
         by_task.setdefault(p.task, []).append(p)
+    return {task: sorted(group, key=lambda p: p.question_id) for task, group in sorted(by_task.items())}
+
+
+def select(prompts: list[Prompt], per_task: int, seed: int = 0, tasks: Optional[list[str]] = None,
+           max_prompt_chars: Optional[int] = None) -> list[Prompt]:
+    """Up to `per_task` prompts of each task (seeded draw, stable under file order), grouped by task.
+
+    Prompts longer than `max_prompt_chars` are skipped (they would not fit the engines' context).
+    `tasks` filters by task or by file category.
+    """
     chosen = []
-    for task in sorted(by_task):
-        group = sorted(by_task[task], key=lambda p: p.question_id)
+    for task, group in _by_task(prompts, tasks, max_prompt_chars).items():
         rng = random.Random(f"{seed}:{task}")
         chosen.extend(rng.sample(group, min(per_task, len(group))))
     return chosen
+
+
+def select_per_repeat(prompts: list[Prompt], per_task: int, repeats: int, seed: int = 0,
+                      tasks: Optional[list[str]] = None, max_prompt_chars: Optional[int] = None) -> list[list[Prompt]]:
+    """`repeats` disjoint draws of `per_task` prompts of each task, each draw grouped by task like
+    `select`'s (`--fresh-per-repeat`: a drafter that remembers earlier outputs, such as SuffixDecoding,
+    must not meet its own answer to the same prompt again in the next repeat). Seeded and stable under
+    file order like `select`; with `repeats` 1 the draw is `select`'s. Raises ValueError when a task
+    has fewer than `repeats` x `per_task` prompts.
+    """
+    draws: list[list[Prompt]] = [[] for _ in range(repeats)]
+    for task, group in _by_task(prompts, tasks, max_prompt_chars).items():
+        need = repeats * per_task
+        if len(group) < need:
+            raise ValueError(f"--fresh-per-repeat: task {task} has {len(group)} prompts (after --split, --tasks and "
+                             f"--max-prompt-chars), {repeats} repeats x --prompts-per-task {per_task} need {need}")
+        drawn = random.Random(f"{seed}:{task}").sample(group, need)
+        for r in range(repeats):
+            draws[r].extend(drawn[r * per_task:(r + 1) * per_task])
+    return draws
 
 
 def interleave_tasks(prompts: list[Prompt]) -> list[Prompt]:

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 from cluster.autoscale.policy import LatencyWindow
 from cluster.engine.coalesce import flush
 from cluster.engine.remote_proposer import public_drafter_status
-from cluster.engine.vllm_args import engine_kwargs, speculative_config  # noqa: F401 - the replica's and tests' entry
+from deployments.vllm_args import engine_kwargs, speculative_config  # noqa: F401 - the replica's and tests' entry
 from cluster.config import PoolConfig
 from cluster.speculation import (EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP, EXTRA_ARGS_MODE, SpecMode,
                                  SpecStats, accepted_runs)
@@ -46,6 +46,7 @@ def drafter_watch_interval_s(healthy: bool, reprobe_s: float) -> float:
 # reading its counters) waits at most this long; it runs between engine steps, so a stuck engine
 # core would otherwise hold every caller (the router's load poll asks four times a second).
 RPC_TIMEOUT_S = 10.0
+ATTACH_RETRY_S = 5.0  # a failed attach of the lookup proposer is tried again after this
 
 
 class EngineInputError(ValueError):
@@ -154,6 +155,7 @@ class EngineServer:
         self._drafter_endpoint = drafter_endpoint
         self._drafter_watch: Optional[asyncio.Task] = None
         self._lookup_attached = False  # pools with the lookup proposer: its runner handed in
+        self._lookup_tried = float("-inf")
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -320,9 +322,19 @@ class EngineServer:
         return (await self._rpc("specserve_drafter_status", reset_samples))[0]
 
     async def _attach_lookup(self) -> None:
-        """Hand the lookup proposer its model runner (once; until then it drafts n-gram for all)."""
-        status = (await self._rpc("specserve_attach_lookup"))[0]
-        self._lookup_attached = bool(status.get("attached"))
+        """Hand the lookup proposer its model runner (once; until then it drafts n-gram for every
+        request). A failure is retried at most every ATTACH_RETRY_S; the request goes on (a dead
+        engine fails it in the engine call, as always)."""
+        now = time.monotonic()
+        if now - self._lookup_tried < ATTACH_RETRY_S:
+            return
+        self._lookup_tried = now
+        try:
+            status = (await self._rpc("specserve_attach_lookup"))[0]
+            self._lookup_attached = bool(status.get("attached"))
+        except Exception as e:  # noqa: BLE001 - drafting falls back to n-gram; serving goes on
+            log.warning("pool %s: lookup proposer not attached (%s: %s); n-gram drafts for every mode meanwhile",
+                        self.pool_name, type(e).__name__, e)
 
     async def _rpc(self, method: str, *args: Any) -> list[Any]:
         """`AsyncLLM.collective_rpc` bounded by RPC_TIMEOUT_S, here and in vLLM's executor (TimeoutError naming it)."""

@@ -126,13 +126,33 @@ async def run_phases(run: PhaseRun) -> None:
         bar.close()
 
 
+# Stock servers whose drafts depend only on the request itself, in the order the reference prefers them.
+STATELESS_STOCK = ("stock-none", "stock-table", "stock-ngram:")
+
+
+def reference_config(stock_urls) -> P.BenchConfig:
+    """Where the greedy reference runs: a stock server that keeps nothing between requests when one
+    runs, else the cluster without speculation. The cluster's suffix trees (and a stock suffix
+    server's) learn every answer they serve, so a reference through them would hand the measured
+    request its own answer as drafts.
+
+    >>> [reference_config(u).name for u in ({}, {"stock-suffix": "u"}, {"stock-suffix": "u", "stock-ngram:3": "u"})]
+    ['none', 'none', 'stock-ngram:3']
+    """
+    for prefix in STATELESS_STOCK:
+        name = next((n for n in stock_urls if n == prefix or prefix.endswith(":") and n.startswith(prefix)), None)
+        if name is not None:
+            return P.baseline_config(name)
+    return P.BenchConfig(P.NONE, P.NONE, 0)
+
+
 async def _measure(run: PhaseRun, runner: Runner, send, warm, bar) -> None:
     args, configs, prompts, samples = run.args, run.configs, run.prompts, run.samples
-    none = P.BenchConfig(P.NONE, P.NONE, 0)
 
     # 2. Warm-up (excluded): the reference with top-2 logprobs, every prompt in every engine, one
     # request per configuration.
-    await runner.run_sequential([Job("reference", none, p, logprobs=2) for p in run.all_compared])
+    await runner.run_sequential([Job("reference", reference_config(run.stock_urls), p, logprobs=2)
+                                 for p in run.all_compared])
     ref = [s for s in samples if s.phase == "reference" and s.ok]
     lat = sum(s.latency_s or 0 for s in ref)
     tps1 = sum(s.output_tokens for s in ref) / lat if lat else args.assumed_tokens_per_s

@@ -81,6 +81,7 @@ class SuffixReplay:
     proposer drafts for mode suffix (`cluster.engine.lookup_proposer`)."""
 
     def __init__(self, settings):
+        # lazy: an optional native extension (scripts/bootstrap.sh builds it); only --method suffix needs it
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
         self.s = settings

@@ -129,6 +129,7 @@ class LookupProposer:
         self.max_tree_depth = int(suffix.get("max_tree_depth", 24))
         self.max_spec_factor = float(suffix.get("max_spec_factor", 1.0))
         self.min_token_prob = float(suffix.get("min_token_prob", 0.1))
+        # lazy: an optional native extension (scripts/bootstrap.sh builds it); only suffix pools load it
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
         self.cache = SuffixDecodingCache(max_tree_depth=self.max_tree_depth,

@@ -12,7 +12,7 @@ import pytest
 
 from cluster.config import ConfigError, parse_config
 from cluster.engine.lookup_proposer import LookupProposer, plan_drafts
-from cluster.engine.vllm_args import engine_kwargs, speculative_config
+from deployments.vllm_args import engine_kwargs, speculative_config
 from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_MODE, SpecMode
 
 MAX_LEN = 64

@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model", default=None, help="Model id (default: the first of GET /v1/models).")
     a("--api-key", default=None, help="Bearer token, if the cluster asks for one.")
     a("--quick", action="store_true", help="Small run (a few minutes on 2 CPU cores).")
-    a("--prompts", default=str(DEFAULT_PROMPTS_PATH), help="Spec-Bench-format JSONL (question_id, category, turns).")
+    a("--prompts", default=str(DEFAULT_PROMPTS_PATH), help="Spec-Bench-format JSONL (question_id, category, turns); a comma list mixes files.")
     a("--split", default=ALL, choices=SPLITS,
       help="Which fixed half of the prompts to use (cluster/bench/split.py): tune on 'tune', report on "
            "'untouched' (default: all).")

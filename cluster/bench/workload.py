@@ -78,6 +78,10 @@ def parse_lines(lines: list[str], source: str = "<prompts>") -> list[Prompt]:
 
 
 def load_prompts(path: Optional[str | Path] = None) -> list[Prompt]:
+    """One file's prompts; a comma list of files (`a.jsonl,b.jsonl`: a mixed workload) gives them all,
+    in order."""
+    if isinstance(path, str) and "," in path:
+        return [p for part in path.split(",") if part.strip() for p in load_prompts(part.strip())]
     path = Path(path) if path else DEFAULT_PROMPTS_PATH
     return parse_lines(path.read_text(encoding="utf-8").splitlines(), str(path))
 

@@ -75,3 +75,11 @@ def test_main_writes_jsonl_and_rejects_a_bad_count(tmp_path, capsys):
     with pytest.raises(SystemExit):
         R.main(["--out", str(out), "--per-category", "0"])
     assert "--per-category" in capsys.readouterr().err
+
+
+def test_a_comma_list_of_prompt_files_is_one_mixed_workload():
+    from cluster.bench.workload import DEFAULT_PROMPTS_PATH, load_prompts
+
+    mixed = load_prompts(f"{DEFAULT_PROMPTS_PATH},{SHIPPED}")
+    assert len(mixed) == len(load_prompts(DEFAULT_PROMPTS_PATH)) + len(load_prompts(SHIPPED))
+    assert {"agent_loop", "translation"} <= {p.task for p in mixed}

@@ -360,6 +360,19 @@ class PoolConfig(Strict):
         extra = [SpecMode.SUFFIX] if self.method == SpecMode.NGRAM and self.suffix is not None else []
         return [self.method, *extra, SpecMode.NONE]
 
+    def mode_max_k(self, mode: SpecMode) -> int:
+        """The largest K a request of `mode` may have in this pool (0 for mode none)."""
+        if mode == SpecMode.NONE:
+            return 0
+        if mode == SpecMode.SUFFIX and self.method == SpecMode.NGRAM and self.suffix is not None:
+            return self.suffix.max_k
+        return self.max_k
+
+    @property
+    def engine_max_k(self) -> int:
+        """The engine's K_max (vLLM's num_speculative_tokens): the largest K of any of its modes."""
+        return max(self.mode_max_k(m) for m in self.modes)
+
     def mode_prior_alpha(self, mode: SpecMode) -> dict[str, float]:
         """The cold-start α table of one of the pool's modes."""
         if mode == SpecMode.SUFFIX and self.method != SpecMode.SUFFIX:

@@ -312,6 +312,12 @@ class SuffixConfig(Strict):
     drafts follow the match length. The knobs are vLLM's `suffix_decoding_*` settings."""
 
     max_tree_depth: int = Field(24, ge=1, le=1024, description="Longest suffix matched, and depth of the trees.")
+    max_k: int = Field(
+        16, ge=1, le=16,
+        description=(
+            "Largest K of a suffix request (the pool's `max_k` bounds its n-gram requests). A suffix draft "
+            "is only as long as the match makes it likely (max_spec_factor, min_token_prob), so a deep "
+            "bound costs nothing where the match is short; vLLM's own suffix method defaults to the tree depth."))
     max_spec_factor: float = Field(
         1.0, gt=0, le=64, description="A draft is at most this times the matched length long (and at most the request's K).")
     min_token_prob: float = Field(

@@ -191,8 +191,9 @@ class EngineServer:
         self._ensure_drafter_watch()
         if self.pool.uses_lookup_proposer and not self._lookup_attached:
             await self._attach_lookup()
-        if req.k > self.pool.max_k:
-            raise ValueError(f"k={req.k} exceeds pool {self.pool_name!r} max_k={self.pool.max_k}")
+        if req.k > self.pool.mode_max_k(SpecMode.parse(req.mode)):
+            raise ValueError(f"k={req.k} exceeds pool {self.pool_name!r} max_k={self.pool.mode_max_k(SpecMode.parse(req.mode))} "
+                             f"for mode {req.mode!r}")
         prompt = self._prompt(req)
         params = self._sampling_params(req)
         completion_tokens = 0

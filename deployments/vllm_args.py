@@ -23,7 +23,8 @@ def speculative_config(pool: PoolConfig, drafter_path: Optional[str]) -> Optiona
     if pool.method == SpecMode.REMOTE_DRAFT:  # vLLM loads our proposer; the drafter is another deployment
         return {"method": "custom_class", "model": remote_proposer.PROPOSER_CLS_PATH, "num_speculative_tokens": pool.max_k}
     if pool.uses_lookup_proposer:  # n-gram and suffix per request, in one engine
-        return {"method": "custom_class", "model": lookup_proposer.PROPOSER_CLS_PATH, "num_speculative_tokens": pool.max_k}
+        return {"method": "custom_class", "model": lookup_proposer.PROPOSER_CLS_PATH,
+                "num_speculative_tokens": pool.engine_max_k}
     cfg: dict[str, Any] = {"method": pool.method.value, "num_speculative_tokens": pool.max_k}
     if pool.method == SpecMode.NGRAM:
         cfg.update(prompt_lookup_min=pool.ngram_min, prompt_lookup_max=pool.ngram_max)

@@ -33,30 +33,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 PYTHON="$VENV/bin/python" scripts/gen_proto.sh >/dev/null
-# SuffixDecoding (pool `suffix:`) needs arctic-inference's suffix tree. The registry has only its
-# sdist; the tree is plain C++ (nanobind) and builds in ~15 s. Built once, the wheel is cached;
-# its CUDA ops build only when ARCTIC_INFERENCE_PRECOMPILED_OPS is set, which we never set.
-# Its vLLM plugin stays off unless ARCTIC_INFERENCE_ENABLED is set (we never set it).
-ARCTIC=0.3.0
-if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('arctic_inference') != '$ARCTIC')" 2>/dev/null; then
-  cache=${SPECSERVE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/specserve/wheels}
-  mkdir -p "$cache"
-  wheel=$(ls "$cache"/arctic_inference-$ARCTIC-*.whl 2>/dev/null | head -1 || true)
-  if [ -z "$wheel" ]; then
-    echo "[bootstrap] building arctic-inference $ARCTIC (suffix decoding) from its sdist"
-    "$VENV/bin/pip" install -q nanobind==2.9.2 ninja
-    command -v cmake >/dev/null || "$VENV/bin/pip" install -q "cmake>=3.18"
-    build=$(mktemp -d)
-    "$VENV/bin/pip" download -q --no-deps --no-binary :all: --no-build-isolation \
-      "arctic-inference==$ARCTIC" -d "$build"
-    tar xzf "$build"/arctic_inference-$ARCTIC.tar.gz -C "$build"
-    CMAKE_ARGS="-DPython_EXECUTABLE=$VENV/bin/python" PATH="$VENV/bin:$PATH" "$VENV/bin/pip" wheel -q \
-      --no-deps --no-build-isolation "$build/arctic_inference-$ARCTIC" -w "$cache"
-    rm -rf "$build"
-    wheel=$(ls "$cache"/arctic_inference-$ARCTIC-*.whl | head -1)
-  fi
-  "$VENV/bin/pip" install -q --no-deps "$wheel"
-fi
+# SuffixDecoding (pools with `suffix:`) needs arctic-inference, built from its sdist (cached wheel).
+scripts/build_arctic.sh "$VENV/bin/python"
 if [ "$EXTRA" = cpu ]; then
   "$VENV/bin/specserve" prepare --config cluster/configs/local-cpu.yaml >/dev/null
 fi

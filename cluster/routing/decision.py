@@ -26,26 +26,30 @@ class PoolView:
     prior_alpha: tuple[tuple[str, float], ...] = ()  # (workload class or "*", α): measured cold-start priors
     prior_draft_cost: Optional[tuple[float, float]] = None  # (per step, per token): PoolConfig.prior_draft_cost
     auto: bool = True  # the auto policy may choose this pool (PoolConfig.auto)
-    # Other drafting methods the same engine serves per request, with their cold-start priors
-    # (an n-gram pool with `suffix` set: ((SpecMode.SUFFIX, priors),)).
-    also: tuple[tuple[SpecMode, tuple[tuple[str, float], ...]], ...] = ()
+    # Other drafting methods the same engine serves per request, with their cold-start priors and
+    # largest K (an n-gram pool with `suffix` set: ((SpecMode.SUFFIX, priors, 16),)).
+    also: tuple[tuple[SpecMode, tuple[tuple[str, float], ...], int], ...] = ()
 
     @property
     def modes(self) -> tuple[SpecMode, ...]:
         if self.method == SpecMode.NONE:
             return (SpecMode.NONE,)
-        return (self.method, *(m for m, _ in self.also), SpecMode.NONE)
+        return (self.method, *(m for m, _, _ in self.also), SpecMode.NONE)
+
+    def k_bound(self, mode: SpecMode) -> int:
+        """The largest K of `mode` here."""
+        return next((k for m, _, k in self.also if m == mode), self.max_k)
 
     def by_method(self) -> tuple["PoolView", ...]:
         """One view per drafting method of the pool's engine (same name, load and K bound), for
         the policy to score each method as a candidate.
 
-        >>> v = PoolView("ngram", "m", SpecMode.NGRAM, 6, also=((SpecMode.SUFFIX, (("*", 0.5),)),))
-        >>> [(x.name, x.method.value, x.prior_alpha, x.also) for x in v.by_method()]
-        [('ngram', 'ngram', (), ()), ('ngram', 'suffix', (('*', 0.5),), ())]
+        >>> v = PoolView("ngram", "m", SpecMode.NGRAM, 6, also=((SpecMode.SUFFIX, (("*", 0.5),), 16),))
+        >>> [(x.name, x.method.value, x.max_k, x.prior_alpha, x.also) for x in v.by_method()]
+        [('ngram', 'ngram', 6, (), ()), ('ngram', 'suffix', 16, (('*', 0.5),), ())]
         """
         return (replace(self, also=()),
-                *(replace(self, method=m, prior_alpha=priors, also=()) for m, priors in self.also))
+                *(replace(self, method=m, max_k=k, prior_alpha=priors, also=()) for m, priors, k in self.also))
 
     @property
     def proposer_rank(self) -> int:

@@ -74,7 +74,7 @@ def pool_views(config: ClusterConfig) -> list[PoolView]:
             prior_draft_cost=(p.prior_draft_cost.per_step, p.prior_draft_cost.per_token)
             if p.prior_draft_cost is not None else None,
             auto=p.auto,
-            also=tuple((m, tuple(sorted(p.mode_prior_alpha(m).items())))
+            also=tuple((m, tuple(sorted(p.mode_prior_alpha(m).items())), p.mode_max_k(m))
                        for m in p.modes if m not in (p.method, SpecMode.NONE)),
         )
         for name, p in config.pools.items()
@@ -170,16 +170,16 @@ def route(
             if k_override not in (None, 0):
                 raise ApiError(ErrorCode.INVALID_ARGUMENT, "speculative.k: must be 0 for mode 'none'", field="speculative.k")
         elif k_override is None:
-            k = min(router.default_k.get(mode.value, 1), pool.max_k)
+            k = min(router.default_k.get(mode.value, 1), pool.k_bound(mode))
         else:
-            max_k = max(p.max_k for p in candidates)
+            max_k = max(p.k_bound(mode) for p in candidates)
             if k_override > max_k:
                 raise ApiError(
                     ErrorCode.INVALID_ARGUMENT,
                     f"speculative.k: {k_override} exceeds the largest K ({max_k}) of the pools serving {mode.value!r}",
                     field="speculative.k",
                 )
-            pool = _least_loaded([p for p in candidates if p.max_k >= k_override])
+            pool = _least_loaded([p for p in candidates if p.k_bound(mode) >= k_override])
             k = k_override
         if k == 0:
             mode = SpecMode.NONE
@@ -188,7 +188,7 @@ def route(
     if router.default_mode != "auto":
         mode = SpecMode.parse(router.default_mode)
         pool = _least_loaded(_pools_for_mode(pools, mode) or pools)
-        k = 0 if mode == SpecMode.NONE else min(router.default_k.get(mode.value, 1), pool.max_k)
+        k = 0 if mode == SpecMode.NONE else min(router.default_k.get(mode.value, 1), pool.k_bound(mode))
         return Decision(pool=pool.name, mode=mode if k else SpecMode.NONE, k=k, decided_by="default",
                         workload_class=workload_class)
 
@@ -233,7 +233,8 @@ def per_step_k(decision: Decision, pool: PoolConfig, class_alpha: float) -> Deci
     if decision.decided_by != "policy" or not pool.uses_step_k:
         return decision
     alpha = min(max(float(class_alpha), 0.0), 1.0)
-    return replace(decision, mode=drafting_mode(decision, pool), k=pool.max_k,
+    mode = drafting_mode(decision, pool)
+    return replace(decision, mode=mode, k=pool.mode_max_k(mode),
                    detail={**decision.detail, "k_step_alpha": round(alpha, 4), "k_policy": decision.k})
 
 

@@ -112,12 +112,12 @@ CONFIG = {"models": {"m": {"source": "hf:x/y"}}, "pools": {"ngram": {"model": "m
 def test_an_ngram_pool_with_suffix_serves_three_modes_in_one_engine_with_the_lookup_proposer():
     pool = parse_config(CONFIG).pools["ngram"]
     assert [m.value for m in pool.modes] == ["ngram", "suffix", "none"]
-    assert speculative_config(pool, None) == {"method": "custom_class", "num_speculative_tokens": 6,
+    assert speculative_config(pool, None) == {"method": "custom_class", "num_speculative_tokens": 16,
                                               "model": "cluster.engine.lookup_proposer.LookupProposer"}
     kw = engine_kwargs(pool, "/m", None, "m", cpu_build=True)
     assert kw["worker_extension_cls"] == "cluster.engine.lookup_proposer.LookupWorkerExtension"
     assert kw["additional_config"]["specserve"]["lookup"]["suffix"] == {
-        "max_tree_depth": 24, "max_spec_factor": 1.0, "min_token_prob": 0.1, "max_cached_requests": 10000}
+        "max_tree_depth": 24, "max_k": 16, "max_spec_factor": 1.0, "min_token_prob": 0.1, "max_cached_requests": 10000}
     plain = parse_config({**CONFIG, "pools": {"ngram": {"model": "m", "method": "ngram", "max_k": 6}}}).pools["ngram"]
     assert speculative_config(plain, None)["method"] == "ngram" and SpecMode.SUFFIX not in plain.modes
 

@@ -67,7 +67,7 @@ def test_speculative_config_per_method():
     assert speculative_config(plain_ngram, None) == {
         "method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 1, "prompt_lookup_max": 5}
     assert speculative_config(CFG.pools["ngram"], None) == {  # with suffix: both, in specserve's proposer
-        "method": "custom_class", "num_speculative_tokens": 6, "model": "cluster.engine.lookup_proposer.LookupProposer"}
+        "method": "custom_class", "num_speculative_tokens": 16, "model": "cluster.engine.lookup_proposer.LookupProposer"}
     assert speculative_config(CFG.pools["draft"], "/d") == {"method": "eagle", "num_speculative_tokens": 3,
                                                             "model": "/d"}
 

@@ -143,7 +143,7 @@ def test_a_policy_decision_lets_the_engine_pick_k_per_step_from_the_class_alpha(
     body = {"messages": [{"role": "user", "content": "Summarize: the cat sat on the mat. The cat sat."}], "max_tokens": 4}
     _, d, req = router.plan(_req(body))
     pool = router.config.pools[d.pool]
-    assert d.decided_by == "policy" and (req.mode, req.k) == (pool.method.value, pool.max_k)
+    assert d.decided_by == "policy" and d.mode in pool.modes and (req.mode, req.k) == (d.mode.value, pool.mode_max_k(d.mode))
     assert 0.0 < req.k_step_alpha < 1.0 and d.detail["k_step_alpha"] == req.k_step_alpha
     assert req.k_cap_by_batch is None and req.k_grow is None  # the per-step choice replaces both
     # An explicit K is the caller's: fixed, no per-step choice.

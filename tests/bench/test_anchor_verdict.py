@@ -153,3 +153,20 @@ def test_summary_and_report_carry_the_anchor_sections():
     assert "## `auto` against the stock-vLLM anchors and every other configuration" in report
     assert "Against the best anchor:" in report and "| trace (mean latency ms) |" in report
     assert "## Trace replay" in report and "| stock-none | 40 | 0 |" in report
+
+
+def test_per_task_each_task_is_judged_against_the_anchor_that_is_best_on_it():
+    """Suffix wins one task, n-gram the other: auto is judged per task against each task's winner."""
+    import dataclasses
+
+    code = one_stream({"stock-ngram:3": 10.0, "stock-suffix": 14.0, "auto": 14.5})
+    qa = one_stream({"stock-ngram:3": 10.0, "stock-suffix": 9.0, "auto": 9.0}, seed=1)
+    samples = [dataclasses.replace(s, task="code", prompt_id="c" + s.prompt_id) for s in code] + qa
+    v = V.anchor_verdicts(samples, ["stock-ngram:3", "stock-suffix"], resamples=1000)
+    by_task = v["one_stream_by_task"]
+    assert by_task["code"]["vs_best_anchor"]["config"] == "stock-suffix"
+    assert by_task["qa"]["vs_best_anchor"]["config"] == "stock-ngram:3"
+    assert by_task["qa"]["vs_best_anchor"]["verdict"] == "loss"
+    assert by_task["code"]["vs_best_anchor"]["ratio"] == pytest.approx(14.5 / 14.0, rel=0.01)
+    text = "\n".join(V.render_lines({"anchor_verdicts": v, "anchors": ["stock-ngram:3", "stock-suffix"]}))
+    assert "One stream per task" in text and "| `qa` |" in text and "`stock-ngram:3`" in text

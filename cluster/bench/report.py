@@ -415,3 +415,23 @@ def write_results(folder: Path, samples: list[Sample], meta: dict[str, Any], sum
 def load_samples(path: Path) -> tuple[dict, list[Sample]]:
     data = json.loads(Path(path).read_text())
     return data.get("meta", {}), [Sample.from_dict(d) for d in data["samples"]]
+
+
+def rerender(folder: Path, plots: bool = True) -> dict[str, Path]:
+    """Rebuild a finished run's summary and report from its samples with the current report code
+    (`python -m cluster.bench.report DIR`); the samples and the run's settings are kept."""
+    meta, samples = load_samples(Path(folder) / "samples.json")
+    old = json.loads((Path(folder) / "summary.json").read_text())
+    slo = Slo(**{k: v for k, v in (meta.get("slo") or {}).items() if k in ("ttft_s", "tpot_s", "latency_s")})
+    summary = build_summary(samples, slo, (old.get("lossless") or {}).get("tie_gap", 0.05),
+                            anchors=tuple(old.get("anchors") or ()))
+    if "trace" in summary and "trace" in meta:
+        summary["trace"]["schedule"] = meta["trace"]
+    return write_results(Path(folder), samples, meta, summary, plots=plots)
+
+
+if __name__ == "__main__":
+    import sys
+
+    for arg in sys.argv[1:]:
+        print(", ".join(str(p) for p in rerender(Path(arg)).values()))

@@ -170,3 +170,14 @@ def test_per_task_each_task_is_judged_against_the_anchor_that_is_best_on_it():
     assert by_task["code"]["vs_best_anchor"]["ratio"] == pytest.approx(14.5 / 14.0, rel=0.01)
     text = "\n".join(V.render_lines({"anchor_verdicts": v, "anchors": ["stock-ngram:3", "stock-suffix"]}))
     assert "One stream per task" in text and "| `qa` |" in text and "`stock-ngram:3`" in text
+
+
+def test_a_finished_run_is_rendered_again_from_its_samples(tmp_path):
+    from cluster.bench.report import rerender, write_results
+
+    samples = one_stream({"stock-ngram:3": 10.0, "stock-suffix": 14.0, "auto": 14.5}, n_prompts=6)
+    summary = build_summary(samples, Slo(), anchors=("stock-ngram:3", "stock-suffix"))
+    write_results(tmp_path, samples, {"slo": {"ttft_s": None}}, summary, plots=False)
+    (tmp_path / "report.md").write_text("stale")
+    files = rerender(tmp_path, plots=False)
+    assert "`stock-suffix`" in files["report"].read_text()

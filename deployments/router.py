@@ -314,7 +314,7 @@ class Router(HttpDoor, GrpcDoor):
         data = []
         for m in self.served:
             pools = [{"name": n, "method": p.method.value, "max_k": p.max_k, "modes": [x.value for x in p.modes],
-                      "auto": p.auto}
+                      "max_k_by_mode": {x.value: p.mode_max_k(x) for x in p.modes}, "auto": p.auto}
                      for n, p in self.config.pools.items() if p.model == m]
             data.append({"id": m, "object": "model", "created": 0, "owned_by": "specserve",
                          "specserve": {"pools": pools}})

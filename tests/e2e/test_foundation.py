@@ -60,12 +60,13 @@ def test_greedy_output_identical_with_speculation_on_and_off(cluster):
     assert len(prompts) == N_PROMPTS
     models = httpx.get(f"{cluster.http_url}/v1/models", timeout=30).json()
     pools = models["data"][0]["specserve"]["pools"]
-    configs = [{"mode": m, "k": k} for p in pools for m in p["modes"] if m != "none" for k in range(1, p["max_k"] + 1)]
+    configs = [{"mode": m, "k": k} for p in pools for m in p["modes"] if m != "none"
+               for k in range(1, p["max_k_by_mode"][m] + 1)]
     assert {c["mode"] for c in configs} == {"ngram", "suffix", "eagle"}
 
     async def run_all():
         base = await chat_all(cluster.http_url, prompts, {"mode": "none"}, MAX_TOKENS, logprobs=True, top_logprobs=2)
-        # Every configuration in flight together, 4 requests each (60 at once): more would queue some
+        # Every configuration in flight together, 4 requests each (100 at once): more would queue some
         # past the router's deadlines on 2 cores, which tests the burst, not losslessness.
         runs = await asyncio.gather(*[chat_all(cluster.http_url, prompts, c, MAX_TOKENS, concurrency=4) for c in configs])
         return base, runs

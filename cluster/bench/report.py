@@ -417,21 +417,33 @@ def load_samples(path: Path) -> tuple[dict, list[Sample]]:
     return data.get("meta", {}), [Sample.from_dict(d) for d in data["samples"]]
 
 
-def rerender(folder: Path, plots: bool = True) -> dict[str, Path]:
+def rerender(folder: Path, plots: bool = True, tasks: Optional[set[str]] = None,
+             out: Optional[Path] = None) -> dict[str, Path]:
     """Rebuild a finished run's summary and report from its samples with the current report code
-    (`python -m cluster.bench.report DIR`); the samples and the run's settings are kept."""
+    (`python -m cluster.bench.report DIR [--tasks a,b --out DIR2]`); the run's settings are kept.
+    `tasks`: only these tasks' samples (a report of part of a mixed workload), written to `out`."""
     meta, samples = load_samples(Path(folder) / "samples.json")
+    if tasks:
+        samples = [s for s in samples if s.task in tasks]
+        meta = {**meta, "tasks": sorted(tasks)}
     old = json.loads((Path(folder) / "summary.json").read_text())
     slo = Slo(**{k: v for k, v in (meta.get("slo") or {}).items() if k in ("ttft_s", "tpot_s", "latency_s")})
     summary = build_summary(samples, slo, (old.get("lossless") or {}).get("tie_gap", 0.05),
                             anchors=tuple(old.get("anchors") or ()))
     if "trace" in summary and "trace" in meta:
         summary["trace"]["schedule"] = meta["trace"]
-    return write_results(Path(folder), samples, meta, summary, plots=plots)
+    return write_results(Path(out or folder), samples, meta, summary, plots=plots)
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
-    for arg in sys.argv[1:]:
-        print(", ".join(str(p) for p in rerender(Path(arg)).values()))
+    ap = argparse.ArgumentParser(prog="python -m cluster.bench.report", description=rerender.__doc__.split("\n")[0])
+    ap.add_argument("folder", type=Path)
+    ap.add_argument("--tasks", default=None, help="comma list: report only these tasks (needs --out)")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    if a.tasks and not a.out:
+        ap.error("--tasks needs --out (the run's own report stays whole)")
+    files = rerender(a.folder, tasks={t.strip() for t in a.tasks.split(",")} if a.tasks else None, out=a.out)
+    print(", ".join(str(p) for p in files.values()))

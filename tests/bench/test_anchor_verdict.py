@@ -1,5 +1,6 @@
 """Verdicts against the anchors (win / tie / loss with a paired bootstrap) and the trace's table."""
 
+import json
 import math
 import random
 
@@ -181,3 +182,18 @@ def test_a_finished_run_is_rendered_again_from_its_samples(tmp_path):
     (tmp_path / "report.md").write_text("stale")
     files = rerender(tmp_path, plots=False)
     assert "`stock-suffix`" in files["report"].read_text()
+
+
+def test_part_of_a_mixed_run_is_reported_on_its_own(tmp_path):
+    import dataclasses
+
+    from cluster.bench.report import rerender, write_results
+
+    qa = one_stream({"stock-suffix": 9.0, "auto": 10.0}, n_prompts=6)
+    code = [dataclasses.replace(s, task="code", prompt_id="c" + s.prompt_id)
+            for s in one_stream({"stock-suffix": 14.0, "auto": 12.0}, n_prompts=6)]
+    samples = qa + code
+    write_results(tmp_path, samples, {}, build_summary(samples, Slo(), anchors=("stock-suffix",)), plots=False)
+    rerender(tmp_path, plots=False, tasks={"qa"}, out=tmp_path / "qa")
+    summary = json.loads((tmp_path / "qa" / "summary.json").read_text())
+    assert summary["anchor_verdicts"]["one_stream"]["vs_best_anchor"]["ratio"] == pytest.approx(10 / 9, rel=0.02)

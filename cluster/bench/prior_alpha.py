@@ -34,6 +34,7 @@ from cluster.bench.workload import load_prompts
 from cluster.config import load_config
 from cluster.ops.models import resolve_model
 from cluster.routing.classifier import classify
+from cluster.speculation import SpecMode
 
 POOLED = "*"
 
@@ -74,6 +75,21 @@ def class_alphas(per_request: Sequence[tuple[str, tuple[int, int, int, int]]], m
     s, f = sum(v[0] for v in rest), sum(v[1] for v in rest)
     out[POOLED] = round(s / (s + f), 2) if s + f else 0.0
     return out
+
+
+def position_acceptance(steps: Iterable[Step]) -> str:
+    """Per draft position j (1-based): the share of steps that drafted j tokens or more and had the
+    first j - 1 accepted in which the j-th was accepted too; `j:share(steps)`.
+
+    >>> position_acceptance([Step(3, 3, 3), Step(3, 3, 1), Step(3, 2, 0)])
+    '1:0.67(3) 2:0.50(2) 3:1.00(1)'
+    """
+    out = []
+    for j in range(1, max((s.drafted for s in steps), default=0) + 1):
+        reached = [s for s in steps if s.drafted >= j and s.accepted >= j - 1]
+        if reached:
+            out.append(f"{j}:{sum(1 for s in reached if s.accepted >= j) / len(reached):.2f}({len(reached)})")
+    return " ".join(out)
 
 
 class SuffixReplay:
@@ -140,6 +156,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--pool", default="ngram")
     ap.add_argument("--method", default="ngram", choices=("ngram", "suffix"))
     ap.add_argument("--prompts", nargs="*", default=(), help="Spec-Bench-format files, in order (default: the shipped dev file)")
+    ap.add_argument("--k", type=int, default=None, help="K of the replay (default: the pool's bound for the method)")
     ap.add_argument("--split", default=TUNE, choices=SPLITS)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--min-prompts", type=int, default=5)
@@ -147,12 +164,16 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     pool = load_config(args.config).pools[args.pool]
     outputs = _greedy_outputs(args.config, args.pool, args.split, args.max_tokens, args.prompts)
+    k = args.k or pool.mode_max_k(SpecMode(args.method))
     if args.method == "suffix":
         suffix = SuffixReplay(pool.suffix_settings)
-        rows = [(cls, counts(suffix.steps(ids, out, pool.max_k))) for cls, ids, out in outputs]
+        steps = [(cls, suffix.steps(ids, out, k)) for cls, ids, out in outputs]
     else:
         propose = ngram_proposer(pool.ngram_min, pool.ngram_max)
-        rows = [(cls, counts(replay(ids, out, StaticK(pool.max_k), propose))) for cls, ids, out in outputs]
+        steps = [(cls, replay(ids, out, StaticK(k), propose)) for cls, ids, out in outputs]
+    rows = [(cls, counts(st)) for cls, st in steps]
+    print("# accepted at draft position j given j-1 accepted (drafted there): "
+          + position_acceptance([s for _, st in steps for s in st]), file=sys.stderr)
     for cls in sorted({c for c, _ in rows}):
         s, f, d, n = (sum(r[1][i] for r in rows if r[0] == cls) for i in range(4))
         print(f"# {cls}: {sum(1 for r in rows if r[0] == cls)} prompts, alpha {s / max(s + f, 1):.2f}, "

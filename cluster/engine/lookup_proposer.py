@@ -11,12 +11,13 @@ names none):
 - `suffix`: arctic-inference's `SuffixDecodingCache`, as vLLM's `suffix` method uses it: a tree
   per prompt and a global tree over earlier requests' outputs; a draft's length follows the match
   (`max_spec_factor` x the matched length) and stops below `min_token_prob`;
-- K = 0 (mode `none`, or a step the scheduler gave no drafts): no lookup at all.
+- K = 0 (mode `none`, or a step whose scheduler allows no drafts, as above the pool's batch bound):
+  no lookup at all.
 
 Every request's tokens go into the suffix trees whatever its mode, so a class the router sends to
 n-gram lookup still teaches the global tree what its outputs look like, and suffix drafts for it are
-ready when the router tries them. Each request is asked for at most its own K (`requested_k`); the
-scheduler trims further per step (`cluster.engine.vllm_scheduler`). Verification is vLLM's: drafts
+ready when the router tries them. Each request is asked for at most its own K (or the top of its K's
+growth, `draft_ceiling`); the scheduler trims further per step (`cluster.engine.vllm_scheduler`). Verification is vLLM's: drafts
 change how many tokens a step yields, never which.
 
 The proposer needs the request ids and sampling parameters of the batch, which vLLM does not pass
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
-from cluster.engine.vllm_scheduler import ADDITIONAL_CONFIG_KEY, requested_k
+from cluster.engine.vllm_scheduler import ADDITIONAL_CONFIG_KEY, growth_from, requested_k
 from cluster.speculation import EXTRA_ARGS_MODE, SpecMode
 
 log = logging.getLogger("specserve.lookup_proposer")
@@ -63,6 +64,20 @@ def request_mode(extra_args: Optional[dict[str, Any]], default: str) -> str:
     """
     mode = (extra_args or {}).get(EXTRA_ARGS_MODE)
     return mode if mode in (SpecMode.NGRAM.value, SpecMode.SUFFIX.value, SpecMode.NONE.value) else default
+
+
+def draft_ceiling(extra_args: Optional[dict[str, Any]], k_max: int) -> int:
+    """The most a request may verify in a step: its K, or, when its K grows within the request
+    (`EXTRA_ARGS_K_GROW`), the top of that growth; the scheduler trims to the step's own K.
+
+    >>> draft_ceiling({"specserve_k": 3}, 16), draft_ceiling({"specserve_k": 3, "specserve_k_grow": [2, 5]}, 16)
+    (3, 5)
+    >>> draft_ceiling({"specserve_k": 0, "specserve_k_grow": [2, 5]}, 16), draft_ceiling(None, 6)
+    (0, 6)
+    """
+    k = requested_k(extra_args, k_max)
+    growth = growth_from(extra_args)
+    return min(max(k, growth[1]), k_max) if growth is not None and k > 0 else k
 
 
 def plan_drafts(modes: Sequence[str], ks: Sequence[int], drafting: Sequence[bool], num_tokens: Sequence[int],
@@ -135,13 +150,28 @@ class LookupProposer:
         self.cache = SuffixDecodingCache(max_tree_depth=self.max_tree_depth,
                                          max_cached_requests=int(suffix.get("max_cached_requests", 10000)))
         self.runner = None
+        self.step_cap: Optional[int] = None  # this step's bound from the scheduler (None: unknown)
         self.errors = 0
 
     def load_model(self, *args, **kwargs) -> None:
         pass  # lookup has no weights
 
     def attach(self, runner) -> None:
+        """Take the runner's batch from now on, and the scheduler's bound on this step's drafts
+        (`num_spec_tokens_to_schedule`: 0 when no request may verify any), which vLLM hands its
+        own proposers but not a custom one: the runner's method is wrapped, on this runner only."""
+        if self.runner is runner:
+            return
         self.runner = runner
+        original = getattr(runner, "propose_draft_token_ids", None)
+        if original is None:
+            return
+
+        def propose_draft_token_ids(scheduler_output, *args, **kwargs):
+            self.step_cap = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
+            return original(scheduler_output, *args, **kwargs)
+
+        runner.propose_draft_token_ids = propose_draft_token_ids
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec, token_ids_cpu,
                 slot_mappings=None) -> list[list[int]]:
@@ -166,12 +196,14 @@ class LookupProposer:
             params = getattr(self.runner.requests.get(req_id), "sampling_params", None)
             extra = params.extra_args if params is not None else None
             modes.append(request_mode(extra, self.default_mode))
-            ks.append(requested_k(extra, self.k_max))
+            ks.append(draft_ceiling(extra, self.k_max))
         return req_ids, modes, ks
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         n = len(sampled_token_ids)
         req_ids, modes, ks = self._requests(n)
+        if self.step_cap is not None:
+            ks = [min(k, max(int(self.step_cap), 0)) for k in ks]
         nums = [int(num_tokens_no_spec[i]) for i in range(n)]
         plan = plan_drafts(modes, ks, [bool(s) for s in sampled_token_ids], nums, self.max_model_len,
                            has_ngram=self.ngram is not None)

@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("name", ["cluster.bench.plan", "cluster.bench.anchors", "cluster.bench.trace", "cluster.bench.phases",
+@pytest.mark.parametrize("name", ["cluster.bench.plan", "cluster.bench.anchors", "cluster.bench.trace", "cluster.bench.phases", "cluster.bench.prior_alpha",
                                   "cluster.bench.verdict"])
 def test_docstring_examples_hold(name):
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)

@@ -131,3 +131,16 @@ def test_an_ngram_pool_with_suffix_serves_three_modes_in_one_engine_with_the_loo
 def test_bad_suffix_settings_name_the_field(pool, field):
     with pytest.raises(ConfigError, match=field):
         parse_config({**CONFIG, "pools": {"p": {"model": "m", "max_k": 3, **pool}}})
+
+
+def test_a_step_the_scheduler_allows_no_drafts_does_no_lookup():
+    """The scheduler's bound on the step's drafts (vLLM passes it to its own proposers only) reaches
+    this one through the runner's propose call: 0 above the pool's batch bound, so no lookup."""
+    p = LookupProposer(vllm_config())
+    runner = Runner({"a": ([5, 6, 7, 5], [6])}, {"a": {EXTRA_ARGS_MODE: "ngram", EXTRA_ARGS_K: 4}})
+    runner.propose_draft_token_ids = lambda scheduler_output, *a: step(p, runner, [[6]])
+    p.attach(runner)
+    assert runner.propose_draft_token_ids(SimpleNamespace(num_spec_tokens_to_schedule=2)) == [[7, 5]]
+    assert runner.propose_draft_token_ids(SimpleNamespace(num_spec_tokens_to_schedule=0)) == [[]]
+    p.attach(runner)  # attaching again does not wrap twice
+    assert runner.propose_draft_token_ids(SimpleNamespace(num_spec_tokens_to_schedule=4)) == [[7, 5, 6]]

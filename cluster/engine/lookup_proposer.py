@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
+from cluster.engine.proposer_base import NeverRaises
 from cluster.engine.vllm_scheduler import ADDITIONAL_CONFIG_KEY, growth_from, requested_k
 from cluster.speculation import EXTRA_ARGS_MODE, SpecMode
 
@@ -128,8 +129,10 @@ def _ngram_proposer(vllm_config, k_max: int, min_n: int, max_n: int):
     return NgramProposer(shim)
 
 
-class LookupProposer:
+class LookupProposer(NeverRaises):
     """vLLM `custom_class` proposer: n-gram lookup or SuffixDecoding per request (see module doc)."""
+
+    _log, _what = log, "lookup proposer"
 
     def __init__(self, vllm_config):
         spec = vllm_config.speculative_config
@@ -172,20 +175,6 @@ class LookupProposer:
             return original(scheduler_output, *args, **kwargs)
 
         runner.propose_draft_token_ids = propose_draft_token_ids
-
-    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec, token_ids_cpu,
-                slot_mappings=None) -> list[list[int]]:
-        """sampled_token_ids: per running request, this step's tokens (empty mid-prefill);
-        num_tokens_no_spec: [max_num_reqs] committed length; token_ids_cpu: [max_num_reqs, max_model_len].
-        Never raises: this runs in vLLM's engine core, where an exception ends the engine."""
-        try:
-            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
-        except Exception as e:  # noqa: BLE001 - a bug here must cost drafts, not the engine
-            self.errors += 1
-            if self.errors & (self.errors - 1) == 0:  # the 1st, 2nd, 4th, 8th ... time
-                log.warning("lookup proposer: step without drafts after %s: %s (%d times)", type(e).__name__,
-                            str(e)[:200], self.errors)
-            return [[] for _ in sampled_token_ids]
 
     def _requests(self, n: int) -> tuple[list[Optional[str]], list[str], list[int]]:
         if self.runner is None:

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 from cluster.engine.draft_limits import BadFrame, WireLimits, parse_reply
 from cluster.engine.draft_wire import BodyError, Channel, WireError, client_handshake, secret_from_env
 from cluster.percentile import percentile
+from cluster.engine.proposer_base import NeverRaises
 from cluster.engine.vllm_scheduler import ADDITIONAL_CONFIG_KEY, cap_table_from, effective_k, requested_k
 
 log = logging.getLogger("specserve.remote_proposer")
@@ -333,10 +334,12 @@ def target_vocab_size(vllm_config) -> Optional[int]:
         return None
 
 
-class RemoteDraftProposer:
+class RemoteDraftProposer(NeverRaises):
     """vLLM `custom_class` proposer. `propose` gets the batch's tokens from vLLM; the request ids
     and each request's SamplingParams come from the model runner, which the worker extension
     attaches after start-up (until then, and without an endpoint, steps run without drafts)."""
+
+    _log, _what = log, "remote proposer"
 
     def __init__(self, vllm_config):
         spec = vllm_config.speculative_config
@@ -367,20 +370,6 @@ class RemoteDraftProposer:
         extra = params.extra_args if params is not None else None
         k = requested_k(extra, self.k_max)
         return effective_k(k, self.k_max, batch_size, cap_table_from(extra) or self.k_cap_table)
-
-    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec, token_ids_cpu,
-                slot_mappings=None) -> list[list[int]]:
-        """sampled_token_ids: per running request, this step's tokens (empty mid-prefill);
-        num_tokens_no_spec: [max_num_reqs] committed length; token_ids_cpu: [max_num_reqs, max_model_len].
-        Never raises: this runs in vLLM's engine core, where an exception ends the engine."""
-        try:
-            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
-        except Exception as e:  # noqa: BLE001 - a bug here must cost drafts, not the engine
-            self.errors += 1
-            if self.errors & (self.errors - 1) == 0:  # the 1st, 2nd, 4th, 8th ... time
-                log.warning("remote proposer: step without drafts after %s: %s (%d times)", type(e).__name__,
-                            str(e)[:200], self.errors)
-            return [[] for _ in sampled_token_ids]
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         n = len(sampled_token_ids)

@@ -26,7 +26,8 @@ policy chose): then its K at every step is chosen jointly with the whole batch b
 `cluster.engine.step_k.choose_step_ks`, up to its K, from the drafts the proposer found, the request's own
 recent acceptance and the engine's step time, which the scheduler measures on its own decode
 steps (`StepCost`: from the end of `schedule` to `update_from_output`, the model's forward pass,
-sampling and drafting). Requests with a fixed K keep it and count in the step's cost.
+sampling and drafting). Requests with a fixed K keep it and count in the step's cost, and so do
+suffix-mode requests, whose drafts are self-limiting (`drafts_self_limiting`) up to their ceiling.
 
 Verification and rejection sampling are vLLM's own, so the output distribution is unchanged.
 The decisions are the pure functions `effective_k`, `grown_effective_k` and `next_k`; the class
@@ -39,7 +40,7 @@ import bisect
 import time
 from typing import Any, Optional, Sequence
 
-from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP
+from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP, EXTRA_ARGS_MODE, SpecMode
 from cluster.engine.step_k import (PRIOR_RELATIVE_COST, RequestDrafts, StepCost, StepCostLine, acceptance, batch_optimism,
                                    choose_step_ks, next_acceptance)
 
@@ -118,6 +119,21 @@ def step_alpha_from(extra_args: Optional[dict[str, Any]]) -> Optional[float]:
     except (TypeError, ValueError):
         return None
     return alpha if 0.0 <= alpha <= 1.0 else None
+
+
+def drafts_self_limiting(extra_args: Optional[dict[str, Any]]) -> bool:
+    """Whether a request's drafts already stop where they stop being likely, so the per-step choice
+    keeps them whole (up to its ceiling, which the batch bound still sets to 0): suffix decoding
+    drafts as far as its tree's match length and `min_token_prob` allow, and its acceptance rises
+    with depth (tune halves: 0.48 at the first draft, 0.74 at the second, 0.89-0.97 from the
+    fourth to the twelfth), which the geometric α^j of `choose_step_ks` would cut short.
+
+    >>> drafts_self_limiting({"specserve_mode": "suffix"}), drafts_self_limiting({"specserve_mode": "ngram"})
+    (True, False)
+    >>> drafts_self_limiting(None)
+    False
+    """
+    return (extra_args or {}).get(EXTRA_ARGS_MODE) == SpecMode.SUFFIX.value
 
 
 def step_ceiling(k_requested: int, k_max: int, batch_size: int, max_batch: Optional[int]) -> int:
@@ -255,7 +271,8 @@ def _make_scheduler_cls():
                     alpha = acceptance(alpha, *getattr(request, _ACCEPT, (0.0, 0.0)),
                                        optimism=batch_optimism(batch_size))
                 rows.append((i, request))
-                choices.append(RequestDrafts(alpha=alpha or 0.0, drafts=drafts, ceiling=k, fixed=alpha is None))
+                choices.append(RequestDrafts(alpha=alpha or 0.0, drafts=drafts, ceiling=k,
+                                             fixed=alpha is None or drafts_self_limiting(extra)))
             line = self.step_cost.line() or StepCostLine(*PRIOR_RELATIVE_COST)
             for (i, request), k in zip(rows, choose_step_ks(choices, line)):
                 setattr(request, _K_USED, k)

@@ -283,3 +283,22 @@ def test_above_the_pools_batch_bound_per_step_k_requests_neither_draft_nor_ask_t
     assert mixed.schedule().num_spec_tokens_to_schedule == 2
     ks = _step(mixed, {r: 2 for r in mixed.requests})
     assert ks["fixed"] == 2 and all(ks[r] == 0 for r in reqs)
+
+
+def test_suffix_requests_keep_the_drafts_their_tree_found_up_to_the_ceiling_and_the_batch_bound(monkeypatch):
+    """A suffix-mode request's drafts stop where its tree's match does (self-limiting), so the
+    per-step choice keeps them whole even at a low class α, where an n-gram request beside it with
+    the same α and drafts is cut; above `step_k_max_batch` it drafts nothing, as every per-step-K
+    request."""
+    reqs = {"suffix": _Req({"specserve_k": 16, "specserve_k_step": 0.3, "specserve_mode": "suffix"}),
+            "ngram": _Req({"specserve_k": 16, "specserve_k_step": 0.3, "specserve_mode": "ngram"})}
+    sched = _scheduler(monkeypatch, reqs)
+    sched.num_spec_tokens = 16
+    ks = _step(sched, {"suffix": 0, "ngram": 0}, offered_n=12)
+    assert ks["suffix"] == 12 and ks["ngram"] < 12
+    ks = _step(sched, {"suffix": 0, "ngram": 0}, offered_n=12)  # rejected last step: still whole
+    assert ks["suffix"] == 12
+    capped = _scheduler(monkeypatch, {"suffix": _Req({"specserve_k": 4, "specserve_k_step": 0.3, "specserve_mode": "suffix"})})
+    assert _step(capped, {"suffix": 4}, offered_n=12)["suffix"] == 4  # the router's K stays a ceiling
+    sched.step_k_max_batch = 1
+    assert set(_step(sched, {"suffix": 0, "ngram": 0}, offered_n=12).values()) == {0}

@@ -376,6 +376,16 @@ class AsyncSpecServeClient:
             raise error_from_response(r.status_code, r.content, dict(r.headers))
         return parse_models(r.json())
 
+    async def forget_outputs(self) -> dict:
+        """The cluster's suffix trees drop earlier requests' outputs (`POST /v1/specserve/forget_outputs`)."""
+        try:
+            r = await self._http.post("/v1/specserve/forget_outputs")
+        except httpx.HTTPError as e:
+            raise _transport_error(e) from e
+        if r.status_code >= 400:
+            raise error_from_response(r.status_code, r.content, dict(r.headers))
+        return r.json()
+
     async def generate(self, **kwargs: Any) -> GenerateResult:
         path, body = build_body(stream=False, **kwargs)
         start = time.perf_counter()

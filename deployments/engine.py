@@ -337,6 +337,17 @@ class EngineServer:
             log.warning("pool %s: lookup proposer not attached (%s: %s); n-gram drafts for every mode meanwhile",
                         self.pool_name, type(e).__name__, e)
 
+    async def forget_outputs(self) -> dict[str, Any]:
+        """Drop earlier requests' outputs from this replica's suffix trees (`LookupProposer.forget`):
+        for a tenant whose outputs must not shape later drafts, or a benchmark that must not meet its
+        own answers again. A pool without the lookup proposer has nothing to forget."""
+        self._check_alive()
+        if not self.pool.uses_lookup_proposer:
+            return {"pool": self.pool_name, "replica": self.replica, "forgotten": 0}
+        forgotten = (await self._rpc("specserve_forget_outputs"))[0]
+        log.info("pool %s: forgot %d earlier outputs", self.pool_name, forgotten)
+        return {"pool": self.pool_name, "replica": self.replica, "forgotten": int(forgotten)}
+
     async def _rpc(self, method: str, *args: Any) -> list[Any]:
         """`AsyncLLM.collective_rpc` bounded by RPC_TIMEOUT_S, here and in vLLM's executor (TimeoutError naming it)."""
         try:

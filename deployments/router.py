@@ -320,6 +320,19 @@ class Router(HttpDoor, GrpcDoor):
                          "specserve": {"pools": pools}})
         return {"object": "list", "data": data}
 
+    async def forget_outputs(self) -> dict[str, Any]:
+        """Every pool that drafts from suffix trees drops its earlier requests' outputs
+        (`EngineDeployment.forget_outputs`; a handle call reaches one replica of the pool)."""
+        pools = {}
+        for n, p in self.config.pools.items():
+            if not p.uses_lookup_proposer:
+                continue
+            try:
+                pools[n] = await asyncio.wait_for(self.engines[n].forget_outputs.remote(), timeout=30)
+            except Exception as e:  # noqa: BLE001 - each pool answers for itself
+                pools[n] = {"error": f"{type(e).__name__}: {e}"[:200]}
+        return {"pools": pools}
+
     async def status(self) -> dict[str, Any]:
         """Pools with this router's in-flight count and one engine replica's own load report."""
         pools = {}

@@ -1,5 +1,6 @@
 """The router's HTTP front door: OpenAI-compatible `/v1/completions`, `/v1/chat/completions` (JSON
-or SSE), `/v1/models` and `/v1/specserve/status`, which Ray Serve's HTTP proxy hands to the router
+or SSE), `/v1/models`, `/v1/specserve/status` and `POST /v1/specserve/forget_outputs` (suffix
+trees drop earlier outputs), which Ray Serve's HTTP proxy hands to the router
 replica's `__call__` as a Starlette request.
 
 A mixin of `deployments.router.Router`: the methods read the router's state (`bounds`, `config`,
@@ -48,6 +49,9 @@ class HttpDoor:
 
     async def _status_route(self, request: Request, client: str, deadline_s: float) -> JSONResponse:
         return JSONResponse(await self.status())
+
+    async def _forget_outputs(self, request: Request, client: str, deadline_s: float) -> JSONResponse:
+        return JSONResponse(await self.forget_outputs())
 
     async def _generate(self, request: Request, client: str, deadline_s: float):
         chat = _route_path(request).endswith("chat/completions")
@@ -114,6 +118,7 @@ ROUTES = (
     Route("/v1/completions", HttpDoor._generate, methods=["POST"]),
     Route("/v1/chat/completions", HttpDoor._generate, methods=["POST"]),
     Route("/v1/specserve/status", HttpDoor._status_route, methods=["GET"]),
+    Route("/v1/specserve/forget_outputs", HttpDoor._forget_outputs, methods=["POST"]),
 )
 
 

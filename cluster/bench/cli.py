@@ -79,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="Every repeat of the comparisons draws its own --prompts-per-task prompts per task (disjoint, seeded, "
            "the same for every configuration), so that a drafter that remembers earlier outputs (suffix) does not "
            "meet its own answer to the same prompt again. Needs repeats x --prompts-per-task prompts per task.")
+    a("--keep-outputs", action="store_true",
+      help="Do not ask the cluster's suffix trees to forget earlier outputs before each load phase and trace "
+           "round (by default they do: those phases reuse prompts, and a tree that holds a prompt's answer "
+           "drafts it whole).")
     a("--sampled-repeats", type=int, default=None, help="Repeats of each sampled comparison (1).")
     a("--settle-s", type=float, default=SETTLE_S,
       help=f"Quiet before each one-stream request ({SETTLE_S:g}): a vLLM engine's worker and engine core "

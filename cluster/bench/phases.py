@@ -8,7 +8,8 @@ send, decided by `cluster.bench.cli`) and appends one `Sample` per request to `r
 3. Greedy comparison at one stream, interleaved and repeated (cluster configurations and baselines);
    with `repeat_prompts` (--fresh-per-repeat) repeat r sends its own draw, and 2. ran all the draws.
 4. Sampled comparison (its repeat r sends the same draw as the greedy repeat r).
-5. Closed-loop sweep in rounds (`plan.sweep_round_orders`); before each round its prompts go once
+5. Closed-loop sweep in rounds (`plan.sweep_round_orders`); before each cluster phase the suffix
+   trees forget earlier outputs (`forget`: load phases reuse prompts); before each round its prompts go once
    through every engine the sweep's configurations reach. Every configuration then finds the same
    prompts in its engine's prefix cache: the prefix cache matches full blocks of a request's own
    prompt only, identical for every configuration, so none gets a prefill another one paid for,
@@ -130,6 +131,21 @@ async def run_phases(run: PhaseRun) -> None:
 STATELESS_STOCK = ("stock-none", "stock-table", "stock-ngram:")
 
 
+async def forget(runner: Runner, cfg: P.BenchConfig, args) -> None:
+    """Before a load phase of a cluster configuration: its suffix trees drop what earlier phases
+    served (`POST /v1/specserve/forget_outputs`), since the load phases reuse prompts across levels
+    and rounds and a tree that holds a prompt's answer drafts it whole. Stock servers keep theirs
+    (stock-suffix cannot forget: its load rows are not unseen prompts). `--keep-outputs` skips it."""
+    if cfg.baseline or getattr(args, "keep_outputs", False):
+        return
+    try:
+        out = await runner.client.forget_outputs()
+        log(f"bench: {cfg.name}: suffix trees forgot " + ", ".join(
+            f"{n}: {p.get('forgotten', p.get('error'))}" for n, p in out.get("pools", {}).items()))
+    except Exception as e:  # noqa: BLE001 - an older cluster has no such route: measure anyway, say so
+        log(f"bench: {cfg.name}: could not make the suffix trees forget ({type(e).__name__}: {e})")
+
+
 def reference_config(stock_urls) -> P.BenchConfig:
     """Where the greedy reference runs: a stock server that keeps nothing between requests when one
     runs, else the cluster without speculation. The cluster's suffix trees (and a stock suffix
@@ -194,6 +210,7 @@ async def _measure(run: PhaseRun, runner: Runner, send, warm, bar) -> None:
             round_prompts = [run.sweep_prompts[(r * n + i) % len(run.sweep_prompts)] for i in range(n)]
             await warm(sweep_cfgs, round_prompts)
             for cfg in (sweep_cfgs[i] for i in order):
+                await forget(runner, cfg, args)
                 await send([Job("sweep", cfg, p, concurrency=c, repeat=r) for p in round_prompts], c)
 
     # 6. Trace replay: the schedule, identical for every configuration, in rounds ordered like the sweep's.
@@ -202,6 +219,7 @@ async def _measure(run: PhaseRun, runner: Runner, send, warm, bar) -> None:
         for r, order in enumerate(P.sweep_round_orders(len(sweep_cfgs), args.trace_rounds)):
             await warm(sweep_cfgs, [a.prompt for a in run.arrivals])
             for cfg in (sweep_cfgs[i] for i in order):
+                await forget(runner, cfg, args)
                 bar.total += len(offsets)
                 log(f"bench: trace round {r}: {cfg.name}, {len(offsets)} arrivals over {offsets[-1]:.0f} s")
                 await runner.run_schedule(trace_jobs(run.arrivals, cfg, r), offsets)

@@ -228,6 +228,14 @@ class LookupProposer(NeverRaises):
         for req_id in self.cache.active_requests - batch.req_id_to_index.keys():
             self.cache.stop_request(req_id)
 
+    def forget(self) -> int:
+        """Drop every finished request from the global tree (requests in flight keep their own trees):
+        later drafts come only from what is served from now on. Returns how many were dropped."""
+        done = list(self.cache.cached_requests - self.cache.active_requests)
+        for req_id in done:
+            self.cache.evict_cached_response(req_id)
+        return len(done)
+
     def status(self) -> dict[str, Any]:
         return {"attached": self.runner is not None, "errors": self.errors,
                 "active_requests": len(self.cache.active_requests), "cached_requests": len(self.cache.cached_requests)}
@@ -241,3 +249,6 @@ class LookupWorkerExtension:
         drafter = self.model_runner.drafter
         drafter.attach(self.model_runner)
         return drafter.status()
+
+    def specserve_forget_outputs(self) -> int:
+        return self.model_runner.drafter.forget()

@@ -86,6 +86,26 @@ def test_suffix_drafts_from_an_earlier_requests_output_that_ngram_cannot_see():
     assert step(p, runner, [[42]])[0] == []  # its own context has no earlier "42"
 
 
+def test_forget_drops_finished_outputs_and_keeps_requests_in_flight():
+    """After `forget` a new request no longer drafts from an earlier one's output; a request still
+    decoding keeps its own tree."""
+    p = LookupProposer(vllm_config(k_max=6))
+    out = [40, 41, 42, 43, 44, 45]
+    extra = {EXTRA_ARGS_MODE: "suffix", EXTRA_ARGS_K: 6}
+    runner = Runner({"first": ([1, 2, 3], [])}, {"first": extra})
+    p.attach(runner)
+    for n in range(1, len(out) + 1):
+        runner.set({"first": ([1, 2, 3], out[:n])})
+        step(p, runner, [[out[n - 1]]])
+    runner.requests = {"live": SimpleNamespace(sampling_params=SimpleNamespace(extra_args=extra))}
+    runner.set({"live": ([40, 41, 42, 43, 40, 41], [42])})  # "first" left: its output is cached
+    assert step(p, runner, [[42]])[0][:1] == [43]
+    assert p.forget() == 1 and p.status()["cached_requests"] == 1  # only "live" is left
+    runner.requests["new"] = runner.requests.pop("live")
+    runner.set({"new": ([9, 8, 7], [40, 41, 42])})
+    assert step(p, runner, [[42]])[0] == []  # the first request's output is gone
+
+
 def test_mid_prefill_and_the_context_end_draft_nothing_and_before_attach_ngram_drafts_for_all():
     assert plan_drafts(["suffix", "ngram"], [4, 4], [False, True], [10, MAX_LEN - 1], MAX_LEN).ks == (0, 0)
     p = LookupProposer(vllm_config())

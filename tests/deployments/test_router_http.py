@@ -33,6 +33,7 @@ def request(method: str, path: str) -> Request:
     ("HEAD", "/v1/specserve/status", "/v1/specserve/status"),
     ("POST", "/v1/completions", "/v1/completions"),
     ("POST", "/v1/chat/completions/", "/v1/chat/completions"),
+    ("POST", "/v1/specserve/forget_outputs", "/v1/specserve/forget_outputs"),
 ])
 def test_each_route_matches_its_path_and_methods(method, path, route):
     found, allowed = match_route(request(method, path))
@@ -43,6 +44,7 @@ def test_each_route_matches_its_path_and_methods(method, path, route):
     ("POST", "/v1/models", ["GET", "HEAD"]),
     ("GET", "/v1/completions", ["POST"]),
     ("DELETE", "/v1/specserve/status", ["GET", "HEAD"]),
+    ("GET", "/v1/specserve/forget_outputs", ["POST"]),
     ("GET", "/v1/nope", []),
     ("POST", "/v1/chat/completions/extra", []),
     ("POST", "/v1/COMPLETIONS", []),
@@ -54,7 +56,7 @@ def test_no_route_says_which_methods_the_path_takes(method, path, allowed):
 
 def test_every_route_has_a_door_method():
     assert sorted(r.path for r in ROUTES) == ["/v1/chat/completions", "/v1/completions", "/v1/models",
-                                              "/v1/specserve/status"]
+                                              "/v1/specserve/forget_outputs", "/v1/specserve/status"]
     assert all(callable(r.endpoint) for r in ROUTES)
 
 

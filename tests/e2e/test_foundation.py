@@ -111,6 +111,31 @@ def test_suffix_requests_draft_from_earlier_outputs_beside_ngram_requests_in_one
     assert suffix["specserve"]["accepted"] >= shared // 2 > ngram["specserve"]["accepted"], (suffix, ngram)
 
 
+def test_after_forget_outputs_suffix_drafts_no_longer_come_from_earlier_answers(cluster):
+    """`POST /v1/specserve/forget_outputs`: the n-gram pool's suffix trees drop finished requests'
+    outputs, so the same request that drafted an earlier answer before it drafts from its prompt only
+    after it (what `specserve bench` does before each load phase); the text stays the same."""
+    first = "Write a haiku about a glassblower who sings to the furnace before dawn."
+    later = "Write a haiku about a glassblower who sings to the furnace before dawn, please."
+
+    async def run():
+        async with httpx.AsyncClient() as client:
+            a = await chat(client, cluster.http_url, first, 48, {"mode": "ngram", "k": 4})
+            before = await chat(client, cluster.http_url, later, 48, {"mode": "suffix", "k": 4})
+            forgot = await client.post(f"{cluster.http_url}/v1/specserve/forget_outputs", timeout=60)
+            after = await chat(client, cluster.http_url, later, 48, {"mode": "suffix", "k": 4})
+            return a, before, forgot, after
+
+    a, before, forgot, after = asyncio.run(run())
+    assert forgot.status_code == 200, forgot.text
+    assert forgot.json()["pools"]["ngram"]["forgotten"] >= 2, forgot.json()
+    assert before["specserve"]["token_ids"] == after["specserve"]["token_ids"]
+    shared = next((i for i, (x, y) in enumerate(zip(a["specserve"]["token_ids"], after["specserve"]["token_ids"]))
+                   if x != y), len(after["specserve"]["token_ids"]))
+    assert shared >= 16, "the two prompts should start their answers alike; pick others"
+    assert before["specserve"]["accepted"] >= shared // 2 > after["specserve"]["accepted"], (before, after)
+
+
 def test_per_request_k_is_applied_inside_one_engine_concurrently(cluster):
     """Requests with different K run in the ngram engine at the same time; drafts follow each K."""
     text = ("Copy this list exactly, twice: alpha, bravo, charlie, delta, echo, foxtrot, golf, hotel, "

@@ -1,0 +1,36 @@
+"""`cluster.bench.phases.forget`: which load phases ask the cluster's suffix trees to forget."""
+
+import asyncio
+from types import SimpleNamespace
+
+from cluster.bench import plan as P
+from cluster.bench.phases import forget
+
+
+class _Client:
+    def __init__(self, fail: bool = False):
+        self.calls, self.fail = 0, fail
+
+    async def forget_outputs(self):
+        self.calls += 1
+        if self.fail:
+            raise RuntimeError("no such route")
+        return {"pools": {"ngram": {"forgotten": 3}}}
+
+
+def _run(cfg, keep=False, fail=False):
+    client = _Client(fail)
+    asyncio.run(forget(SimpleNamespace(client=client), cfg, SimpleNamespace(keep_outputs=keep)))
+    return client.calls
+
+
+def test_cluster_phases_forget_stock_ones_and_keep_outputs_do_not():
+    auto = P.BenchConfig("auto", None, None)
+    assert _run(auto) == 1
+    assert _run(P.baseline_config("stock-table")) == 0  # a stock server has no such route
+    assert _run(auto, keep=True) == 0
+
+
+def test_a_cluster_without_the_route_is_measured_anyway(capsys):
+    assert _run(P.BenchConfig("auto", None, None), fail=True) == 1
+    assert "could not make the suffix trees forget" in capsys.readouterr().err

@@ -230,7 +230,12 @@ class LookupProposer(NeverRaises):
 
     def forget(self) -> int:
         """Drop every finished request from the global tree (requests in flight keep their own trees):
-        later drafts come only from what is served from now on. Returns how many were dropped."""
+        later drafts come only from what is served from now on. Returns how many were dropped.
+        A request that left the batch after the last step is still active in the cache (the next
+        step's `_learn` would stop it): it is stopped here first."""
+        if self.runner is not None:
+            for req_id in self.cache.active_requests - self.runner.input_batch.req_id_to_index.keys():
+                self.cache.stop_request(req_id)
         done = list(self.cache.cached_requests - self.cache.active_requests)
         for req_id in done:
             self.cache.evict_cached_response(req_id)

@@ -102,8 +102,9 @@ def test_forget_drops_finished_outputs_and_keeps_requests_in_flight():
     assert step(p, runner, [[42]])[0][:1] == [43]
     assert p.forget() == 1 and p.status()["cached_requests"] == 1  # only "live" is left
     runner.requests["new"] = runner.requests.pop("live")
-    runner.set({"new": ([9, 8, 7], [40, 41, 42])})
-    assert step(p, runner, [[42]])[0] == []  # the first request's output is gone
+    runner.set({"new": ([9, 8, 7], [40, 41, 42])})  # "live" left the batch, no step has run since
+    assert p.forget() == 1 and p.status()["cached_requests"] == 0  # it goes too
+    assert step(p, runner, [[42]])[0] == []  # no earlier output is left to draft from
 
 
 def test_mid_prefill_and_the_context_end_draft_nothing_and_before_attach_ngram_drafts_for_all():

@@ -115,8 +115,8 @@ def test_after_forget_outputs_suffix_drafts_no_longer_come_from_earlier_answers(
     """`POST /v1/specserve/forget_outputs`: the n-gram pool's suffix trees drop finished requests'
     outputs, so the same request that drafted an earlier answer before it drafts from its prompt only
     after it (what `specserve bench` does before each load phase); the text stays the same."""
-    first = "Write a haiku about a glassblower who sings to the furnace before dawn."
-    later = "Write a haiku about a glassblower who sings to the furnace before dawn, please."
+    first = "Write a haiku about a lighthouse keeper who counts the waves at night."
+    later = "Write a haiku about a lighthouse keeper who counts the waves at night, please."
 
     async def run():
         async with httpx.AsyncClient() as client:

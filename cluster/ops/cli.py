@@ -23,7 +23,7 @@ from cluster.distill import cli as distill_cli
 from cluster.k8s.render import main as render_main
 from cluster.ops.models import prepare_all
 from cluster.ops.placement import (
-    driver_log_levels, node_summary, ray_attach_env, ray_attach_kwargs, read_ray_address, replica_nodes,
+    driver_log_levels, gcs_listening, node_summary, ray_attach_env, ray_attach_kwargs, read_ray_address, replica_nodes,
 )
 from cluster.ops.up import cmd_up
 from cluster.routing.route import explain_choices, pool_views
@@ -94,7 +94,10 @@ def _serve_applications(config_path: str, timeout_s: float) -> dict:
     "nodes": Ray's nodes and the custom resources they advertise} from the running cluster's Ray,
     or {"ray": why not}, within `timeout_s` (Ray's own attach retries for minutes)."""
     config = load_config(config_path)
-    os.environ.update(ray_attach_env(config, os.environ, read_ray_address(config)))  # before `import ray`
+    record = read_ray_address(config)
+    if record and not gcs_listening(record["gcs"]):
+        record = None  # left by a cluster that was killed outright: Ray's "auto" instead
+    os.environ.update(ray_attach_env(config, os.environ, record))  # before `import ray`
     answer: list[dict] = []  # the attach thread's one result, appended whole
 
     def attach() -> None:

@@ -10,6 +10,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -151,6 +152,21 @@ def read_ray_address(config: ClusterConfig) -> Optional[dict]:
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) and record.get("gcs") else None
+
+
+def gcs_listening(address: str, timeout_s: float = 1.0) -> bool:
+    """Whether something accepts a TCP connection at a recorded GCS address: a `specserve up` that
+    was killed outright leaves its record behind, and attaching there would wait out the timeout.
+
+    >>> gcs_listening("127.0.0.1:1"), gcs_listening("not an address")
+    (False, False)
+    """
+    host, _, port = address.split("://")[-1].rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 # Importing ray.serve gives the driver's `ray.serve` logger its own stderr handler at INFO (its

@@ -140,3 +140,19 @@ def test_status_attaches_to_the_cluster_up_recorded_for_its_config(tmp_path, mon
     forget_ray_address(local)  # `up` stopping: the record goes, and again is no error
     forget_ray_address(local)
     assert not path.exists()
+
+
+def test_a_record_whose_gcs_does_not_listen_is_stale():
+    """`specserve status` drops a record left by a cluster that was killed outright (nothing
+    listens at its GCS address) and attaches through Ray's "auto" instead of waiting it out."""
+    import socket
+
+    from cluster.ops.placement import gcs_listening
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        address = "127.0.0.1:%d" % server.getsockname()[1]
+        assert gcs_listening(address)
+    assert not gcs_listening(address, timeout_s=0.5)  # closed
+    assert not gcs_listening("[::1]:notaport")

@@ -39,6 +39,7 @@ def test_generate_cli_returns_text_and_stats(cluster):
 def test_status_reports_pools_and_redis(cluster):
     """The router's view and Ray Serve's (attached to the local Ray on loopback), within the bound."""
     out = subprocess.run([sys.executable, "-m", "cluster.ops.cli", "status", "--url", cluster.http_url,
+                          "--config", str(cluster.config_path),
                           "--ray-timeout", "60"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert '"ngram"' in out.stdout and '"draft"' in out.stdout and '"redis_ok"' in out.stdout

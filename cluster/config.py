@@ -12,7 +12,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 # The service sections live in cluster.config_sections; importers reach every section through here.
 from cluster.config_sections import (  # noqa: F401
     ApiConfig, AuthConfig, DrafterWireConfig, LimitsConfig, RayConfig, RedisConfig, RouterConfig, Strict, SuffixConfig,
-    TeachingConfig, TlsConfig, check_prior_alpha,
+    TeachingConfig, TlsConfig, check_prior_alpha, check_prior_draft_rate,
 )
 from cluster.speculation import SpecMode
 
@@ -275,6 +275,13 @@ class PoolConfig(Strict):
             "target (`*` for every class not listed); live traffic outweighs it. Empty: built-in priors."
         ),
     )
+    prior_draft_rate: dict[str, float] = Field(
+        default_factory=dict,
+        description=(
+            "Cold-start share of steps in which a lookup proposer finds a draft, per workload class "
+            "(`*` for the rest), measured with `prior_alpha`. Empty: every step drafts (a model drafter)."
+        ),
+    )
 
     prior_draft_cost: Optional[DraftCostPrior] = Field(
         None,
@@ -301,6 +308,11 @@ class PoolConfig(Strict):
     @classmethod
     def _prior_alpha(cls, v: dict[str, float]) -> dict[str, float]:
         return check_prior_alpha(v)
+
+    @field_validator("prior_draft_rate")
+    @classmethod
+    def _prior_draft_rate(cls, v: dict[str, float]) -> dict[str, float]:
+        return check_prior_draft_rate(v)
 
     @model_validator(mode="after")
     def _method(self) -> "PoolConfig":
@@ -378,6 +390,12 @@ class PoolConfig(Strict):
         if mode == SpecMode.SUFFIX and self.method != SpecMode.SUFFIX:
             return dict(self.suffix_settings.prior_alpha)
         return dict(self.prior_alpha)
+
+    def mode_prior_draft_rate(self, mode: SpecMode) -> dict[str, float]:
+        """The cold-start draft-rate table of one of the pool's modes."""
+        if mode == SpecMode.SUFFIX and self.method != SpecMode.SUFFIX:
+            return dict(self.suffix_settings.prior_draft_rate)
+        return dict(self.prior_draft_rate)
 
 
 class ClusterConfig(Strict):

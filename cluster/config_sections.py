@@ -306,6 +306,16 @@ def check_prior_alpha(v: dict[str, float]) -> dict[str, float]:
     return v
 
 
+def check_prior_draft_rate(v: dict[str, float]) -> dict[str, float]:
+    """A cold-start draft-rate table: workload classes (or `*`) to the share of steps that draft, 0..1."""
+    for c, p in v.items():
+        if c != "*" and c not in WORKLOAD_CLASSES:
+            raise ValueError(f"unknown workload class {c!r}; classes: {sorted(WORKLOAD_CLASSES)} or '*'")
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"{c}: the draft rate must be within 0..1, got {p}")
+    return v
+
+
 class SuffixConfig(Strict):
     """SuffixDecoding beside prompt lookup in one engine (`cluster/engine/lookup_proposer.py`): a
     suffix tree over each prompt and over earlier requests' outputs (arctic-inference's), whose
@@ -327,3 +337,7 @@ class SuffixConfig(Strict):
     prior_alpha: Annotated[dict[str, float], AfterValidator(check_prior_alpha)] = Field(
         default_factory=dict,
         description="Cold-start α per workload class of suffix drafts (`*` for the rest); empty: built-in priors.")
+    prior_draft_rate: Annotated[dict[str, float], AfterValidator(check_prior_draft_rate)] = Field(
+        default_factory=dict,
+        description="Cold-start share of steps that find a suffix draft, per workload class (`*` for the rest); "
+                    "empty: every step drafts.")

@@ -8,9 +8,9 @@ the pool's (`deployments.engine.engine_kwargs`), replays each output through vLL
 at the pool's `ngram_min..ngram_max` with K = the pool's max_k (`cluster.bench.k_replay.replay`), and
 prints α per class (as the router classifies the prompt): the chance a draft is accepted given the
 ones before it were, counted as the engine's per-request acceptance counts it (each accepted draft a
-success, each step whose drafts were not all accepted one failure). A class with fewer than
-`--min-prompts` prompts is served by `"*"`, pooled over those thin classes. The output is the pool's
-`prior_alpha` line.
+success, each step whose drafts were not all accepted one failure), and the share of steps that
+found a draft at all. A class with fewer than `--min-prompts` prompts is served by `"*"`, pooled
+over those thin classes. The output is the pool's `prior_alpha` and `prior_draft_rate` lines.
 
 `--method suffix` replays the pool's SuffixDecoding settings instead (`PoolConfig.suffix`) through
 arctic-inference's suffix tree, over the prompts in file order with one cache, so each request's
@@ -75,6 +75,24 @@ def class_alphas(per_request: Sequence[tuple[str, tuple[int, int, int, int]]], m
     s, f = sum(v[0] for v in rest), sum(v[1] for v in rest)
     out[POOLED] = round(s / (s + f), 2) if s + f else 0.0
     return out
+
+
+def class_draft_rates(per_request: Sequence[tuple[str, tuple[int, int, int, int]]], min_prompts: int = 5) -> dict[str, float]:
+    """The share of steps that drafted, per class, pooled into `"*"` as `class_alphas` pools α
+    (the same classes are listed, so the two lines go together).
+
+    >>> class_draft_rates([("a", (8, 2, 5, 9)), ("a", (6, 4, 4, 9)), ("b", (1, 9, 3, 9))], min_prompts=2)
+    {'a': 0.5, '*': 0.33}
+    """
+    listed = set(class_alphas(per_request, min_prompts)) - {POOLED}
+    by: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for cls, (_, _, drafting, steps) in per_request:
+        key = cls if cls in listed else POOLED
+        by[key][0] += drafting
+        by[key][1] += steps
+    if POOLED not in by:  # no thin class: "*" pools every prompt
+        by[POOLED] = [sum(v[0] for v in by.values()), sum(v[1] for v in by.values())]
+    return {cls: round(d / n, 2) if n else 0.0 for cls, (d, n) in sorted(by.items(), key=lambda kv: (kv[0] == POOLED, kv[0]))}
 
 
 def position_acceptance(steps: Iterable[Step]) -> str:
@@ -178,8 +196,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         s, f, d, n = (sum(r[1][i] for r in rows if r[0] == cls) for i in range(4))
         print(f"# {cls}: {sum(1 for r in rows if r[0] == cls)} prompts, alpha {s / max(s + f, 1):.2f}, "
               f"drafting steps {d / max(n, 1):.2f}", file=sys.stderr)
-    print(("suffix.prior_alpha: " if args.method == "suffix" else "prior_alpha: ")
-          + json.dumps(class_alphas(rows, args.min_prompts)))
+    prefix = "suffix." if args.method == "suffix" else ""
+    print(f"{prefix}prior_alpha: " + json.dumps(class_alphas(rows, args.min_prompts)))
+    print(f"{prefix}prior_draft_rate: " + json.dumps(class_draft_rates(rows, args.min_prompts)))
     return 0
 
 

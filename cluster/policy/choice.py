@@ -85,17 +85,17 @@ _SCORE_CACHE: dict[tuple, tuple] = {}  # (mode, class, bucket, max_k, step_rel, 
 _SCORE_CACHE_MAX = 4096
 
 
-def _pool_scores(view, mode, workload_class, bucket, max_k, step_rel, priors, params, draft_cost=None):
+def _pool_scores(view, mode, workload_class, bucket, max_k, step_rel, priors, params, draft_cost=None, rate_priors=()):
     """(alpha, (a, b), p, (f, c), runs, overheads, {K: score}) of one cell. α, p and the runs are learned per (mode, class) over every
     load bucket; the cost per K per bucket. Memoised per view refresh: the result depends only on
     the view's cells (replaced as a whole on each refresh), so the request path pays the posterior
     and cost arithmetic once per cell and refresh, not once per request."""
     cells = view.cells if view is not None else None
-    key = (mode, workload_class, bucket, max_k, step_rel, priors, draft_cost, params)
+    key = (mode, workload_class, bucket, max_k, step_rel, priors, draft_cost, params, rate_priors)
     hit = _SCORE_CACHE.get(key)
     if hit is not None and hit[0] is cells:
         return hit[1]
-    alpha, (a, b), p = class_model(view, mode, workload_class, priors, params)
+    alpha, (a, b), p = class_model(view, mode, workload_class, priors, params, rate_priors)
     runs, draftless = class_runs(view, mode, workload_class)
     fixed, cost = step_cost(view, mode, bucket, params, draft_cost)
     overheads = step_overheads(view, mode, bucket, max_k, params, draft_cost, line=(fixed, cost))
@@ -117,7 +117,8 @@ def score_pool(pool: PoolView, workload_class: str, view: Optional[TuningView], 
     if pool.method == SpecMode.NONE or max_k == 0:
         return Candidate(pool, bucket, 0.0, (0.0, 1.0), 1.0, 0.0, step_rel, {0: score(0.0, 0, 0.0, step_rel)}, 0)
     alpha, (a, b), p, (fixed, cost), (runs, draftless), overheads, scores = _pool_scores(
-        view, mode, workload_class, bucket, max_k, step_rel, pool.prior_alpha, params, pool.prior_draft_cost)
+        view, mode, workload_class, bucket, max_k, step_rel, pool.prior_alpha, params, pool.prior_draft_cost,
+        pool.prior_draft_rate)
     incumbent = view.chosen_k.get((mode, workload_class, bucket)) if view is not None else None
     trials = max(a + b - params.prior_trials, 0.0)  # observed drafting trials (capped with the posterior)
     return Candidate(pool, bucket, alpha, (a, b), p, cost, step_rel, scores, hysteresis_k(scores, incumbent, params, trials),

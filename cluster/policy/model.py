@@ -82,6 +82,19 @@ def prior_alpha(mode: str, workload_class: str, measured: Mapping[str, float] | 
     return PRIOR_ALPHA_BY_MODE.get(mode, 0.0)
 
 
+def prior_draft_rate(workload_class: str, measured: Mapping[str, float] | tuple = ()) -> float:
+    """Cold-start p of a mode for `workload_class`: the pool's measured share of drafting steps
+    (`PoolConfig.prior_draft_rate`, by class or `*`), else 1 (a model drafter drafts every step).
+    A lookup method without one reads as drafting every step, which its measured rate never beats:
+    a method with evidence then loses to one with only a prior.
+
+    >>> prior_draft_rate("code", {"code": 0.7, "*": 0.4}), prior_draft_rate("qa", {"*": 0.4}), prior_draft_rate("qa")
+    (0.7, 0.4, 1.0)
+    """
+    measured = dict(measured)
+    return float(measured.get(workload_class, measured.get("*", 1.0)))
+
+
 def alpha_posterior(cell: CellStats, alpha_prior: float, params: PolicyParams = DEFAULT_PARAMS) -> tuple[float, float]:
     """Beta(a, b) posterior of α: prior pseudo-counts plus accepted / rejected drafting steps,
     scaled down to at most `max_effective_trials` so that old traffic does not freeze the estimate."""
@@ -93,26 +106,26 @@ def alpha_posterior(cell: CellStats, alpha_prior: float, params: PolicyParams = 
     return params.prior_trials * a0 + s, params.prior_trials * (1.0 - a0) + f
 
 
-def draft_rate(cell: CellStats, params: PolicyParams = DEFAULT_PARAMS) -> float:
-    """Posterior mean of p: drafting steps over steps, with the prior p = 1 worth prior_draft_steps
-    steps (a cell without data drafts every step, as a model drafter does).
+def draft_rate(cell: CellStats, params: PolicyParams = DEFAULT_PARAMS, prior: float = 1.0) -> float:
+    """Posterior mean of p: drafting steps over steps, with the prior p (1 unless measured:
+    `prior_draft_rate`) worth prior_draft_steps steps.
 
-    >>> draft_rate(CellStats(steps=900, exposed_at=(180,)))
-    0.28
+    >>> draft_rate(CellStats(steps=900, exposed_at=(180,))), draft_rate(CellStats(), prior=0.6)
+    (0.28, 0.6)
     """
     n, d = float(cell.steps), float(cell.drafting_steps)
     if n > params.max_effective_trials:
         d, n = d * params.max_effective_trials / n, params.max_effective_trials
-    return (d + params.prior_draft_steps) / (n + params.prior_draft_steps)
+    return (d + params.prior_draft_steps * min(max(prior, 0.0), 1.0)) / (n + params.prior_draft_steps)
 
 
 def class_model(view: Optional[TuningView], mode: str, workload_class: str, priors,
-                params: PolicyParams = DEFAULT_PARAMS) -> tuple[float, tuple[float, float], float]:
+                params: PolicyParams = DEFAULT_PARAMS, rate_priors=()) -> tuple[float, tuple[float, float], float]:
     """(α posterior mean, its Beta (a, b), p) of `mode` for `workload_class`, from the class's cells
     over every load bucket (α and p depend on the text and the drafter, not on the batch)."""
     cell = view.class_cell(mode, workload_class) if view is not None else CellStats()
     a, b = alpha_posterior(cell, prior_alpha(mode, workload_class, priors), params)
-    return a / (a + b), (a, b), draft_rate(cell, params)
+    return a / (a + b), (a, b), draft_rate(cell, params, prior_draft_rate(workload_class, rate_priors))
 
 
 def class_runs(view: Optional[TuningView], mode: str, workload_class: str) -> tuple[tuple[int, ...], float]:

@@ -71,10 +71,12 @@ def pool_views(config: ClusterConfig) -> list[PoolView]:
             replicas=p.least_replicas,
             max_ongoing_requests=p.max_ongoing_requests, hardware_group=p.hardware_group,
             prior_alpha=tuple(sorted(p.prior_alpha.items())),
+            prior_draft_rate=tuple(sorted(p.prior_draft_rate.items())),
             prior_draft_cost=(p.prior_draft_cost.per_step, p.prior_draft_cost.per_token)
             if p.prior_draft_cost is not None else None,
             auto=p.auto,
-            also=tuple((m, tuple(sorted(p.mode_prior_alpha(m).items())), p.mode_max_k(m))
+            also=tuple((m, tuple(sorted(p.mode_prior_alpha(m).items())), p.mode_max_k(m),
+                        tuple(sorted(p.mode_prior_draft_rate(m).items())))
                        for m in p.modes if m not in (p.method, SpecMode.NONE)),
         )
         for name, p in config.pools.items()

@@ -148,6 +148,8 @@ def test_an_ngram_pool_with_suffix_serves_three_modes_in_one_engine_with_the_loo
     ({"method": "ngram", "suffix": {"min_token_prob": 2}}, "min_token_prob"),
     ({"method": "ngram", "suffix": {"prior_alpha": {"poetry": 0.5}}}, "poetry"),
     ({"method": "ngram", "suffix": {"tree_depth": 3}}, "tree_depth"),
+    ({"method": "ngram", "suffix": {"prior_draft_rate": {"code": 1.5}}}, "prior_draft_rate"),
+    ({"method": "ngram", "prior_draft_rate": {"poetry": 0.5}}, "poetry"),
 ])
 def test_bad_suffix_settings_name_the_field(pool, field):
     with pytest.raises(ConfigError, match=field):

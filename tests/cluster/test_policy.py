@@ -761,7 +761,7 @@ def test_local_config_cold_start_keeps_low_acceptance_classes_off_the_eagle_pool
     cfg = load_config(LOCAL_CPU)
     rows = explain_choices(pool_views(cfg), cfg.router, None, WORKLOAD_CLASSES, (1, 4, 16))
     assert rows and all(r["mode"] != "eagle" for r in rows), [r for r in rows if r["mode"] == "eagle"]
-    assert any(r["mode"] == "ngram" and r["k"] >= 3 for r in rows if r["batch"] == 1)
+    assert any(r["mode"] in ("ngram", "suffix") and r["k"] >= 3 for r in rows if r["batch"] == 1)
 
 
 def test_cell_sum_keeps_exposure_without_acceptance():
@@ -1079,3 +1079,28 @@ def test_the_cap_at_batch_1_never_undercuts_a_class_choice():
     table = k_cap_table("ngram", 6, view)
     _check_table(table, 6)
     assert table[0] == (1, 6) and k_cap_for_batch(2, table) < 6  # the cap still bites under load
+
+
+def test_a_lookup_method_with_only_a_prior_does_not_win_by_drafting_every_step():
+    """One engine serves n-gram and suffix requests. Suffix has evidence for `code` (α 0.70, a draft
+    in half the steps); n-gram has only its prior. Read as drafting every step, that prior scored
+    n-gram 2.02 against suffix's 1.94 and moved the class off suffix (BENCHMARKS.md 2.1); with the
+    measured share of drafting steps (`prior_draft_rate`) the two compare like for like."""
+    from cluster.policy.model import prior_draft_rate
+
+    rng = random.Random(7)
+    reqs = [replace(simulate(0.74, 16, 60, rng, drafted_len=lambda r: r.choice([0, 0, 3, 8])), mode="suffix")
+            for _ in range(4)]
+    view = TuningView("m", cells={("suffix", "code", "1"): cell_from(reqs)})
+
+    def pool(ngram_rate, suffix_rate):
+        return PoolView(name="ngram", model="m", method=SpecMode.NGRAM, max_k=6, prior_alpha=(("code", 0.61),),
+                        prior_draft_rate=ngram_rate, also=((SpecMode.SUFFIX, (("code", 0.86),), 16, suffix_rate),))
+
+    unmeasured = choose_auto([pool((), ())], ROUTER, "code", view)
+    assert unmeasured.mode == SpecMode.NGRAM and unmeasured.detail["draft_rate"] == 1.0
+    measured = choose_auto([pool((("*", 0.5),), (("*", 0.5),)), ], ROUTER, "code", view)
+    assert measured.mode == SpecMode.SUFFIX and measured.detail["draft_rate"] == pytest.approx(0.51, abs=0.01)
+    cold = choose_auto([pool((("*", 0.5),), (("code", 0.6), ("*", 0.5)))], ROUTER, "code", None)
+    assert cold.mode == SpecMode.SUFFIX and cold.detail["draft_rate"] == 0.6
+    assert prior_draft_rate("code", (("*", 0.5),)) == 0.5 and prior_draft_rate("code") == 1.0

@@ -296,24 +296,24 @@ class RayConfig(Strict):
         return self
 
 
-def check_prior_alpha(v: dict[str, float]) -> dict[str, float]:
-    """A cold-start α table: workload classes (or `*`) to α within 0..0.99."""
-    for c, a in v.items():
+def _check_class_table(v: dict[str, float], what: str, hi: float) -> dict[str, float]:
+    """A cold-start table: workload classes (or `*`) to a value within 0..hi."""
+    for c, x in v.items():
         if c != "*" and c not in WORKLOAD_CLASSES:
             raise ValueError(f"unknown workload class {c!r}; classes: {sorted(WORKLOAD_CLASSES)} or '*'")
-        if not 0.0 <= a <= 0.99:
-            raise ValueError(f"{c}: α must be within 0..0.99, got {a}")
+        if not 0.0 <= x <= hi:
+            raise ValueError(f"{c}: {what} must be within 0..{hi:g}, got {x}")
     return v
+
+
+def check_prior_alpha(v: dict[str, float]) -> dict[str, float]:
+    """A cold-start α table: workload classes (or `*`) to α within 0..0.99."""
+    return _check_class_table(v, "α", 0.99)
 
 
 def check_prior_draft_rate(v: dict[str, float]) -> dict[str, float]:
     """A cold-start draft-rate table: workload classes (or `*`) to the share of steps that draft, 0..1."""
-    for c, p in v.items():
-        if c != "*" and c not in WORKLOAD_CLASSES:
-            raise ValueError(f"unknown workload class {c!r}; classes: {sorted(WORKLOAD_CLASSES)} or '*'")
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"{c}: the draft rate must be within 0..1, got {p}")
-    return v
+    return _check_class_table(v, "the draft rate", 1.0)
 
 
 class SuffixConfig(Strict):

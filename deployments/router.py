@@ -195,7 +195,7 @@ class Router(HttpDoor, GrpcDoor):
         else the pool's prior."""
         view = self.views[d.pool]
         mode = drafting_mode(d, self.config.pools[d.pool])
-        priors = next((a[1] for a in view.also if a[0] == mode), view.prior_alpha)
+        priors = next((a.prior_alpha for a in view.also if a.mode == mode), view.prior_alpha)
         tuning = self.tuning.snapshot(model) if self.tuning is not None else None
         return class_model(tuning, mode.value, d.workload_class, priors)[0]
 

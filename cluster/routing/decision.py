@@ -4,9 +4,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from cluster.speculation import SpecMode
+
+
+class OtherMethod(NamedTuple):
+    """A drafting method a pool's engine serves beside its own, with its cold-start priors and K bound."""
+
+    mode: SpecMode
+    prior_alpha: tuple[tuple[str, float], ...]
+    max_k: int
+    prior_draft_rate: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -27,31 +36,30 @@ class PoolView:
     prior_draft_rate: tuple[tuple[str, float], ...] = ()  # (workload class or "*", p): share of steps that draft
     prior_draft_cost: Optional[tuple[float, float]] = None  # (per step, per token): PoolConfig.prior_draft_cost
     auto: bool = True  # the auto policy may choose this pool (PoolConfig.auto)
-    # Other drafting methods the same engine serves per request, with their cold-start α priors,
-    # largest K and draft-rate priors (an n-gram pool with `suffix` set: ((SpecMode.SUFFIX, α, 16, p),)).
-    also: tuple[tuple[SpecMode, tuple[tuple[str, float], ...], int, tuple[tuple[str, float], ...]], ...] = ()
+    # Other drafting methods the same engine serves per request (an n-gram pool with `suffix` set).
+    also: tuple[OtherMethod, ...] = ()
 
     @property
     def modes(self) -> tuple[SpecMode, ...]:
         if self.method == SpecMode.NONE:
             return (SpecMode.NONE,)
-        return (self.method, *(a[0] for a in self.also), SpecMode.NONE)
+        return (self.method, *(a.mode for a in self.also), SpecMode.NONE)
 
     def k_bound(self, mode: SpecMode) -> int:
         """The largest K of `mode` here."""
-        return next((a[2] for a in self.also if a[0] == mode), self.max_k)
+        return next((a.max_k for a in self.also if a.mode == mode), self.max_k)
 
     def by_method(self) -> tuple["PoolView", ...]:
         """One view per drafting method of the pool's engine (same name, load and K bound), for
         the policy to score each method as a candidate.
 
-        >>> v = PoolView("ngram", "m", SpecMode.NGRAM, 6, also=((SpecMode.SUFFIX, (("*", 0.5),), 16, (("*", 0.4),)),))
+        >>> v = PoolView("ngram", "m", SpecMode.NGRAM, 6, also=(OtherMethod(SpecMode.SUFFIX, (("*", 0.5),), 16, (("*", 0.4),)),))
         >>> [(x.name, x.method.value, x.max_k, x.prior_alpha, x.prior_draft_rate, x.also) for x in v.by_method()]
         [('ngram', 'ngram', 6, (), (), ()), ('ngram', 'suffix', 16, (('*', 0.5),), (('*', 0.4),), ())]
         """
         return (replace(self, also=()),
-                *(replace(self, method=m, max_k=k, prior_alpha=priors, prior_draft_rate=rates, also=())
-                  for m, priors, k, rates in self.also))
+                *(replace(self, method=a.mode, max_k=a.max_k, prior_alpha=a.prior_alpha,
+                          prior_draft_rate=a.prior_draft_rate, also=()) for a in self.also))
 
     @property
     def proposer_rank(self) -> int:

@@ -13,7 +13,7 @@ from typing import Optional
 
 from cluster.api.types import ApiError, ErrorCode
 from cluster.config import ClusterConfig, PoolConfig, RouterConfig
-from cluster.routing.decision import Decision, PoolView
+from cluster.routing.decision import Decision, OtherMethod, PoolView
 from cluster.policy import TuningView, choose_auto, k_cap_table
 from cluster.speculation import SpecMode
 from cluster.engine.vllm_scheduler import k_cap_for_batch
@@ -75,8 +75,8 @@ def pool_views(config: ClusterConfig) -> list[PoolView]:
             prior_draft_cost=(p.prior_draft_cost.per_step, p.prior_draft_cost.per_token)
             if p.prior_draft_cost is not None else None,
             auto=p.auto,
-            also=tuple((m, tuple(sorted(p.mode_prior_alpha(m).items())), p.mode_max_k(m),
-                        tuple(sorted(p.mode_prior_draft_rate(m).items())))
+            also=tuple(OtherMethod(m, tuple(sorted(p.mode_prior_alpha(m).items())), p.mode_max_k(m),
+                                   tuple(sorted(p.mode_prior_draft_rate(m).items())))
                        for m in p.modes if m not in (p.method, SpecMode.NONE)),
         )
         for name, p in config.pools.items()

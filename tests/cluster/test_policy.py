@@ -1087,6 +1087,7 @@ def test_a_lookup_method_with_only_a_prior_does_not_win_by_drafting_every_step()
     n-gram 2.02 against suffix's 1.94 and moved the class off suffix (BENCHMARKS.md 2.1); with the
     measured share of drafting steps (`prior_draft_rate`) the two compare like for like."""
     from cluster.policy.model import prior_draft_rate
+    from cluster.routing.decision import OtherMethod
 
     rng = random.Random(7)
     reqs = [replace(simulate(0.74, 16, 60, rng, drafted_len=lambda r: r.choice([0, 0, 3, 8])), mode="suffix")
@@ -1095,7 +1096,7 @@ def test_a_lookup_method_with_only_a_prior_does_not_win_by_drafting_every_step()
 
     def pool(ngram_rate, suffix_rate):
         return PoolView(name="ngram", model="m", method=SpecMode.NGRAM, max_k=6, prior_alpha=(("code", 0.61),),
-                        prior_draft_rate=ngram_rate, also=((SpecMode.SUFFIX, (("code", 0.86),), 16, suffix_rate),))
+                        prior_draft_rate=ngram_rate, also=(OtherMethod(SpecMode.SUFFIX, (("code", 0.86),), 16, suffix_rate),))
 
     unmeasured = choose_auto([pool((), ())], ROUTER, "code", view)
     assert unmeasured.mode == SpecMode.NGRAM and unmeasured.detail["draft_rate"] == 1.0

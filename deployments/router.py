@@ -208,7 +208,8 @@ class Router(HttpDoor, GrpcDoor):
         if cached is None or now - cached[0] > max_age_s:
             pool = self.views[pool_name]  # the config's priors, as the policy reads them (routing.pool_views)
             cached = (now, k_cap_table(pool.method.value, pool.max_k, self.tuning.snapshot(model),
-                                       priors=pool.prior_alpha, draft_cost=pool.prior_draft_cost))
+                                       priors=pool.prior_alpha, draft_cost=pool.prior_draft_cost,
+                                       rate_priors=pool.prior_draft_rate))
             self._caps[pool_name] = cached
         return cached[1]
 

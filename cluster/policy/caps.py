@@ -28,6 +28,7 @@ def class_weights(view: Optional[TuningView], mode: str) -> dict[str, float]:
 def k_cap_table(
     mode: str, max_k: int, view: Optional[TuningView], params: PolicyParams = DEFAULT_PARAMS,
     priors: Mapping[str, float] | tuple = (), draft_cost: Optional[tuple[float, float]] = None,
+    rate_priors: Mapping[str, float] | tuple = (),
 ) -> list[tuple[int, int]]:
     """`k_cap_by_batch` for a pool: [(min_batch_size, k_cap), ...], the format the engine reads.
 
@@ -42,7 +43,7 @@ def k_cap_table(
 
     tokens = {}  # class -> [E(K) for K in 0..max_k]
     for c in weights:
-        alpha, _, p = class_model(view, mode, c, priors, params)
+        alpha, _, p = class_model(view, mode, c, priors, params, rate_priors)
         runs, draftless = class_runs(view, mode, c)
         tokens[c] = [expected_tokens(alpha, k, p, runs, draftless, params) for k in range(max_k + 1)]
     (first, idle), *loaded = LOAD_BUCKETS  # the classes are admitted at the first bucket, batch 1

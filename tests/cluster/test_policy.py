@@ -506,6 +506,17 @@ def _check_table(table, max_k):
     assert all(0 <= c <= max_k for c in caps) and all(a > b for a, b in zip(caps, caps[1:]))
 
 
+def test_cap_table_reads_the_cold_start_draft_rate_of_a_lookup_pool():
+    """A lookup proposer that finds a draft in few steps pays the drafting overhead for little: the
+    cap table (step_k: false pools) must read the same draft-rate prior as the routing does."""
+    every_step = k_cap_table("ngram", 6, None, priors=(("*", 0.7),))
+    rarely = k_cap_table("ngram", 6, None, priors=(("*", 0.7),), rate_priors=(("*", 0.3),))
+    _check_table(rarely, 6)
+    assert k_cap_for_batch(1, rarely) < k_cap_for_batch(1, every_step)
+    assert k_cap_for_batch(16, rarely) == 0 < k_cap_for_batch(16, every_step)
+    assert k_cap_table("ngram", 6, None, priors=(("*", 0.7),), rate_priors=(("*", 0.05),)) == [(1, 0)]
+
+
 def test_cap_table_cold_start_shrinks_with_load():
     table = k_cap_table("ngram", 6, None)
     _check_table(table, 6)

@@ -79,18 +79,20 @@ def request_rate(samples: list[Sample]) -> float:
     return sum(s.output_tokens for s in ok) / lat if lat > 0 else math.nan
 
 
+def _unit_rates(samples: list[Sample], key: Callable[[Sample], Any]) -> list[tuple[Any, tuple[float, float]]]:
+    """(unit, (tokens, latency)) per unit of successful samples (latencies and tokens summed)."""
+    out: dict[Any, list[float]] = {}
+    for s in samples:
+        if s.ok and s.latency_s:
+            entry = out.setdefault(key(s), [0.0, 0.0])
+            entry[0] += s.output_tokens
+            entry[1] += s.latency_s
+    return [(k, (t, lat)) for k, (t, lat) in out.items()]
+
+
 def paired_units(a: list[Sample], b: list[Sample], key: Callable[[Sample], Any]) -> list[tuple[float, ...]]:
     """(tokens a, latency a, tokens b, latency b) per key present (and successful) on both sides."""
-    def table(samples: list[Sample]) -> dict[Any, list[float]]:
-        out: dict[Any, list[float]] = {}
-        for s in samples:
-            if s.ok and s.latency_s:
-                entry = out.setdefault(key(s), [0.0, 0.0])
-                entry[0] += s.output_tokens
-                entry[1] += s.latency_s
-        return out
-
-    ta, tb = table(a), table(b)
+    ta, tb = dict(_unit_rates(a, key)), dict(_unit_rates(b, key))
     return [(*ta[k], *tb[k]) for k in sorted(ta, key=repr) if k in tb]
 
 
@@ -151,6 +153,40 @@ def _against(by_cfg: dict[str, list[Sample]], anchors: list[str], score: Callabl
     return out
 
 
+def hindsight_choice(by_cfg: dict[str, list[Sample]], anchors: list[str], key: Callable[[Sample], Any],
+                     resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> Optional[dict[str, Any]]:
+    """The anchors chosen per prompt in hindsight: each prompt served by the anchor that was fastest
+    on it. Its rate over the best single anchor's is the most any per-request choice among those
+    engines could gain on these prompts (a router that knew each answer's speed in advance); auto
+    over it shows how much of that auto took. None with fewer than two anchors present.
+
+    >>> from cluster.bench.metrics import Sample
+    >>> def s(cfg, pid, lat): return Sample("compare", cfg, pid, "c", "t", 0.0, 1, latency_s=lat, token_ids=[1] * 10)
+    >>> by = {"auto": [s("auto", "a", 1.0), s("auto", "b", 1.0)], "x": [s("x", "a", 1.0), s("x", "b", 2.0)],
+    ...       "y": [s("y", "a", 2.0), s("y", "b", 1.0)]}
+    >>> h = hindsight_choice(by, ["x", "y"], lambda s: s.prompt_id, resamples=50)
+    >>> h["best_anchor"], round(h["ratio"], 3), round(h["auto_ratio"], 3)   # 20 tokens in 2 s, not 3 s
+    ('x', 1.5, 1.0)
+    """
+    present = [a for a in anchors if by_cfg.get(a)]
+    if len(present) < 2 or AUTO not in by_cfg:
+        return None
+    best = _best({a: request_rate(by_cfg[a]) for a in present})
+    tables = {a: {u[0]: u[1] for u in _unit_rates(by_cfg[a], key)} for a in present + [AUTO]}
+    shared = sorted(set.intersection(*(set(t) for t in tables.values())), key=repr)
+    if len(shared) < 2:
+        return None
+    pick = [min((tables[a][k] for a in present), key=lambda tl: tl[1] / tl[0] if tl[0] else math.inf) for k in shared]
+    versus_best = [(*pick[i], *tables[best][k]) for i, k in enumerate(shared)]
+    auto_versus = [(*tables[AUTO][k], *pick[i]) for i, k in enumerate(shared)]
+    picked = {a: sum(1 for i, k in enumerate(shared) if tables[a][k] is pick[i]) for a in present}
+    return {"best_anchor": best, "units": len(shared), "picked": picked,
+            "ratio": _rate_ratio(versus_best, list(range(len(shared)))),
+            "ci95": bootstrap_ci(len(shared), lambda idx: _rate_ratio(versus_best, idx), resamples, seed),
+            "auto_ratio": _rate_ratio(auto_versus, list(range(len(shared)))),
+            "auto_ci95": bootstrap_ci(len(shared), lambda idx: _rate_ratio(auto_versus, idx), resamples, seed)}
+
+
 def anchor_verdicts(samples: list[Sample], anchors: list[str], resamples: int = BOOTSTRAP_RESAMPLES,
                     seed: int = BOOTSTRAP_SEED) -> dict[str, Any]:
     """{"one_stream": ..., "load": {streams: ...}}: auto's throughput against the best anchor and the
@@ -163,6 +199,9 @@ def anchor_verdicts(samples: list[Sample], anchors: list[str], resamples: int = 
     if AUTO in by_cfg and len(by_cfg) > 1:
         out["one_stream"] = _against(by_cfg, anchors, request_rate, lambda a, b: throughput_ratio(
             a, b, lambda s: s.prompt_id, wall=False, resamples=resamples, seed=seed))
+        hindsight = hindsight_choice(by_cfg, anchors, lambda s: s.prompt_id, resamples, seed)
+        if hindsight is not None:
+            out["one_stream"]["hindsight"] = hindsight
         # Per task: the anchor that is best on that task may differ (n-gram on one, suffix on another).
         by_task = {}
         for task, group in sorted(group_by(compare, lambda s: s.task).items()):
@@ -336,6 +375,13 @@ def render_lines(summary: dict[str, Any]) -> list[str]:
                 tv = trace["verdict"]
                 rows.append(_verdict_row("trace (mean latency ms)", tv["auto"], tv[key], latency=True))
             lines += [f"Against the {label}:", ""] + _table(header, rows)
+        h = (v.get("one_stream") or {}).get("hindsight")
+        if h:
+            picks = ", ".join(f"`{a}` {n}" for a, n in h["picked"].items())
+            lines += [f"The anchors chosen per prompt in hindsight (the fastest on each of {h['units']} prompts: {picks}): "
+                      f"{_f(h['ratio'])} ({_ci(h['ci95'])}) of the best single anchor `{h['best_anchor']}`, the most a "
+                      f"per-request choice among them could gain here; auto / that choice {_f(h['auto_ratio'])} "
+                      f"({_ci(h['auto_ci95'])}).", ""]
         by_task = v.get("one_stream_by_task") or {}
         if by_task and anchors:
             lines += ["One stream per task, against the anchor that is best on that task:", ""] + _table(

@@ -173,6 +173,29 @@ def test_per_task_each_task_is_judged_against_the_anchor_that_is_best_on_it():
     assert "One stream per task" in text and "| `qa` |" in text and "`stock-ngram:3`" in text
 
 
+def test_hindsight_choice_bounds_what_choosing_among_the_anchors_can_gain():
+    """Suffix is faster on code, n-gram on qa: serving each prompt on its faster anchor beats the best
+    single anchor by what the per-task split allows, and no more; auto that matches the faster anchor
+    on each task ties that choice."""
+    import dataclasses
+
+    code = one_stream({"stock-ngram:3": 10.0, "stock-suffix": 14.0, "auto": 14.0})
+    qa = one_stream({"stock-ngram:3": 10.0, "stock-suffix": 8.0, "auto": 10.0}, seed=1)
+    samples = [dataclasses.replace(s, task="code", prompt_id="c" + s.prompt_id) for s in code] + qa
+    v = V.anchor_verdicts(samples, ["stock-ngram:3", "stock-suffix"], resamples=1000)["one_stream"]
+    h = v["hindsight"]
+    assert h["best_anchor"] == v["vs_best_anchor"]["config"] == "stock-suffix"
+    assert h["picked"] == {"stock-ngram:3": 30, "stock-suffix": 30} and h["units"] == 60
+    suffix_s = sum(x.latency_s for x in samples if x.config == "stock-suffix")
+    chosen_s = sum(x.latency_s for x in samples if x.config == ("stock-suffix" if x.prompt_id.startswith("c") else "stock-ngram:3"))
+    assert h["ratio"] == pytest.approx(suffix_s / chosen_s) and h["ratio"] > 1.0
+    assert h["ci95"][0] <= h["ratio"] <= h["ci95"][1]
+    assert h["auto_ci95"][0] <= 1.0 <= h["auto_ci95"][1]  # auto's jitter averages out: a tie with the choice
+    text = "\n".join(V.render_lines({"anchor_verdicts": {"one_stream": v}, "anchors": ["stock-ngram:3", "stock-suffix"]}))
+    assert "chosen per prompt in hindsight" in text and "`stock-ngram:3` 30" in text
+    assert V.hindsight_choice({"auto": samples}, ["stock-suffix"], lambda x: x.prompt_id) is None
+
+
 def test_a_finished_run_is_rendered_again_from_its_samples(tmp_path):
     from cluster.bench.report import rerender, write_results
 

@@ -167,3 +167,29 @@ def test_a_step_the_scheduler_allows_no_drafts_does_no_lookup():
     assert runner.propose_draft_token_ids(SimpleNamespace(num_spec_tokens_to_schedule=0)) == [[]]
     p.attach(runner)  # attaching again does not wrap twice
     assert runner.propose_draft_token_ids(SimpleNamespace(num_spec_tokens_to_schedule=4)) == [[7, 5, 6]]
+
+
+def test_the_ngram_kernel_is_compiled_at_start_for_the_runners_argument_types():
+    """vLLM's own start-up call drafts for no request, so numba would compile the lookup kernel on the
+    first real lookup (about 1.2 s, stalling that step). In a fresh process (numba's compiled kernels
+    are per process): one signature after construction, and a lookup with the runner's types adds none."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+        from test_lookup_proposer import LookupProposer, Runner, step, vllm_config
+        from vllm.v1.spec_decode.ngram_proposer import batch_propose_numba
+        assert not batch_propose_numba.signatures, "compiled before the proposer was built"
+        proposer = LookupProposer(vllm_config())
+        assert len(batch_propose_numba.signatures) == 1, batch_propose_numba.signatures
+        runner = Runner({{"a": ([5, 6, 7, 5, 6], [])}}, {{"a": None}})
+        assert step(proposer, runner, [[6]]) == [[7, 5, 6]]
+        assert len(batch_propose_numba.signatures) == 1, batch_propose_numba.signatures
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=str(__import__('pathlib').Path(__file__).parents[2]))
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

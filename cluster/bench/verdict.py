@@ -79,20 +79,19 @@ def request_rate(samples: list[Sample]) -> float:
     return sum(s.output_tokens for s in ok) / lat if lat > 0 else math.nan
 
 
-def _unit_rates(samples: list[Sample], key: Callable[[Sample], Any]) -> list[tuple[Any, tuple[float, float]]]:
-    """(unit, (tokens, latency)) per unit of successful samples (latencies and tokens summed)."""
-    out: dict[Any, list[float]] = {}
+def _unit_rates(samples: list[Sample], key: Callable[[Sample], Any]) -> dict[Any, tuple[float, float]]:
+    """unit -> (tokens, latency) of its successful samples (summed)."""
+    out: dict[Any, tuple[float, float]] = {}
     for s in samples:
         if s.ok and s.latency_s:
-            entry = out.setdefault(key(s), [0.0, 0.0])
-            entry[0] += s.output_tokens
-            entry[1] += s.latency_s
-    return [(k, (t, lat)) for k, (t, lat) in out.items()]
+            tokens, latency = out.get(key(s), (0.0, 0.0))
+            out[key(s)] = (tokens + s.output_tokens, latency + s.latency_s)
+    return out
 
 
 def paired_units(a: list[Sample], b: list[Sample], key: Callable[[Sample], Any]) -> list[tuple[float, ...]]:
     """(tokens a, latency a, tokens b, latency b) per key present (and successful) on both sides."""
-    ta, tb = dict(_unit_rates(a, key)), dict(_unit_rates(b, key))
+    ta, tb = _unit_rates(a, key), _unit_rates(b, key)
     return [(*ta[k], *tb[k]) for k in sorted(ta, key=repr) if k in tb]
 
 
@@ -172,7 +171,7 @@ def hindsight_choice(by_cfg: dict[str, list[Sample]], anchors: list[str], key: C
     if len(present) < 2 or AUTO not in by_cfg:
         return None
     best = _best({a: request_rate(by_cfg[a]) for a in present})
-    tables = {a: {u[0]: u[1] for u in _unit_rates(by_cfg[a], key)} for a in present + [AUTO]}
+    tables = {a: _unit_rates(by_cfg[a], key) for a in present + [AUTO]}
     shared = sorted(set.intersection(*(set(t) for t in tables.values())), key=repr)
     if len(shared) < 2:
         return None

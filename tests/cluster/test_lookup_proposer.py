@@ -176,10 +176,12 @@ def test_the_ngram_kernel_is_compiled_at_start_for_the_runners_argument_types():
     import subprocess
     import sys
     import textwrap
+    from pathlib import Path
 
+    here = Path(__file__)
     code = textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+        sys.path.insert(0, {str(here.parent)!r})
         from test_lookup_proposer import LookupProposer, Runner, step, vllm_config
         from vllm.v1.spec_decode.ngram_proposer import batch_propose_numba
         assert not batch_propose_numba.signatures, "compiled before the proposer was built"
@@ -191,5 +193,5 @@ def test_the_ngram_kernel_is_compiled_at_start_for_the_runners_argument_types():
         print("ok")
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         cwd=str(__import__('pathlib').Path(__file__).parents[2]))
+                         cwd=str(here.parents[2]))
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -144,10 +144,11 @@ class Runner:
         return sample
 
     async def run_sequential(self, jobs: list[Job], settle_s: float = 0.0) -> list[Sample]:
-        """One job at a time; `settle_s` of quiet before each but the first (SETTLE_S says why)."""
+        """One job at a time; `settle_s` of quiet before each (SETTLE_S says why), the first too: the
+        phase before (a warm-up through every engine) leaves other engines busy-polling as well."""
         samples = []
-        for i, job in enumerate(jobs):
-            if i and settle_s > 0:
+        for job in jobs:
+            if settle_s > 0:
                 await asyncio.sleep(settle_s)
             samples.append(await self.one(job))
         return samples

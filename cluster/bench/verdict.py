@@ -84,8 +84,9 @@ def _unit_rates(samples: list[Sample], key: Callable[[Sample], Any]) -> dict[Any
     out: dict[Any, tuple[float, float]] = {}
     for s in samples:
         if s.ok and s.latency_s:
-            tokens, latency = out.get(key(s), (0.0, 0.0))
-            out[key(s)] = (tokens + s.output_tokens, latency + s.latency_s)
+            unit = key(s)
+            tokens, latency = out.get(unit, (0.0, 0.0))
+            out[unit] = (tokens + s.output_tokens, latency + s.latency_s)
     return out
 
 

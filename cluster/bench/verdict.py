@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 
 from cluster.bench.metrics import Sample, Slo, group_by, meets_slo, paired_ratios, pooled_rate, round_rates, tpot_s
 from cluster.bench.plan import AUTO
+from cluster.bench.stalls import STALL_GAP_S, stall_table, without_stalls
 from cluster.percentile import percentile
 
 BOOTSTRAP_RESAMPLES = 2000
@@ -187,6 +188,17 @@ def hindsight_choice(by_cfg: dict[str, list[Sample]], anchors: list[str], key: C
             "auto_ci95": bootstrap_ci(len(shared), lambda idx: _rate_ratio(auto_versus, idx), resamples, seed)}
 
 
+def _by_task(compare: list[Sample], anchors: list[str], resamples: int, seed: int) -> dict[str, Any]:
+    """Per task, auto against the anchor that is best on that task (n-gram on one, suffix on another)."""
+    out = {}
+    for task, group in sorted(group_by(compare, lambda s: s.task).items()):
+        cfgs = group_by(group, lambda s: s.config)
+        if AUTO in cfgs and len(cfgs) > 1:
+            out[task] = _against(cfgs, anchors, request_rate, lambda a, b: throughput_ratio(
+                a, b, lambda s: s.prompt_id, wall=False, resamples=resamples, seed=seed))
+    return out
+
+
 def anchor_verdicts(samples: list[Sample], anchors: list[str], resamples: int = BOOTSTRAP_RESAMPLES,
                     seed: int = BOOTSTRAP_SEED) -> dict[str, Any]:
     """{"one_stream": ..., "load": {streams: ...}}: auto's throughput against the best anchor and the
@@ -199,18 +211,24 @@ def anchor_verdicts(samples: list[Sample], anchors: list[str], resamples: int = 
     if AUTO in by_cfg and len(by_cfg) > 1:
         out["one_stream"] = _against(by_cfg, anchors, request_rate, lambda a, b: throughput_ratio(
             a, b, lambda s: s.prompt_id, wall=False, resamples=resamples, seed=seed))
+        stalls = stall_table(compare)
+        if any(row["stalled"] for row in stalls.values()):
+            calm = group_by([without_stalls(s) for s in compare], lambda s: s.config)
+            out["one_stream"]["stalls"] = stalls
+            out["one_stream"]["without_stalls"] = _against(calm, anchors, request_rate, lambda a, b: throughput_ratio(
+                a, b, lambda s: s.prompt_id, wall=False, resamples=resamples, seed=seed))
+            out["one_stream"]["without_stalls"]["hindsight"] = hindsight_choice(
+                calm, anchors, lambda s: s.prompt_id, resamples, seed)
         hindsight = hindsight_choice(by_cfg, anchors, lambda s: s.prompt_id, resamples, seed)
         if hindsight is not None:
             out["one_stream"]["hindsight"] = hindsight
         # Per task: the anchor that is best on that task may differ (n-gram on one, suffix on another).
-        by_task = {}
-        for task, group in sorted(group_by(compare, lambda s: s.task).items()):
-            cfgs = group_by(group, lambda s: s.config)
-            if AUTO in cfgs and len(cfgs) > 1:
-                by_task[task] = _against(cfgs, anchors, request_rate, lambda a, b: throughput_ratio(
-                    a, b, lambda s: s.prompt_id, wall=False, resamples=resamples, seed=seed))
+        by_task = _by_task(compare, anchors, resamples, seed)
         if len(by_task) > 1:
             out["one_stream_by_task"] = by_task
+            if "without_stalls" in out["one_stream"]:
+                out["one_stream_by_task_without_stalls"] = _by_task(
+                    [without_stalls(s) for s in compare], anchors, resamples, seed)
     load = {}
     for c, level in sorted(group_by([s for s in samples if s.phase == "sweep"], lambda s: s.concurrency).items()):
         by_cfg = group_by(level, lambda s: s.config)
@@ -346,6 +364,23 @@ def _verdict_row(phase: str, auto: Any, side: Optional[dict], latency: bool = Fa
             str(side["verdict"] or "-"), {True: "yes", False: "**no**", None: "-"}[side["target_met"]]]
 
 
+def _stall_lines(one: dict[str, Any], sides: list[tuple[str, str]]) -> list[str]:
+    """The one-stream stalls per configuration and auto's ratios with them taken out ([] if none)."""
+    stalls, calm = one.get("stalls"), one.get("without_stalls")
+    if not stalls or not calm:
+        return []
+    per = "; ".join(f"`{c}` {r['stalled']} of {r['requests']} requests, {_f(r['lost_s'], 1)} s "
+                    f"({_f(100 * r['share'], 1)}% of its latency)" for c, r in stalls.items())
+    rows = [_verdict_row(f"1 stream, {label}", calm["auto"], calm[key]) for label, key in sides]
+    h = calm.get("hindsight")
+    tail = [f"Without stalls, the anchors chosen per prompt in hindsight: {_f(h['ratio'])} ({_ci(h['ci95'])}) of "
+            f"`{h['best_anchor']}`; auto / that choice {_f(h['auto_ratio'])} ({_ci(h['auto_ci95'])}).", ""] if h else []
+    return [f"Stalls (an inter-chunk gap above {STALL_GAP_S} s, less the request's usual gap; "
+            f"`cluster.bench.stalls`): {per}. The same comparison with every configuration's stall time "
+            "taken out of its latency:", ""] + _table(
+        ["phase", "auto", "against", "ratio", "95% CI", "per round (wall) / p99", "verdict", "target met"], rows) + tail
+
+
 def render_lines(summary: dict[str, Any]) -> list[str]:
     """The report's sections on the anchors and the trace ([] when the run had neither)."""
     lines: list[str] = []
@@ -375,6 +410,7 @@ def render_lines(summary: dict[str, Any]) -> list[str]:
                 tv = trace["verdict"]
                 rows.append(_verdict_row("trace (mean latency ms)", tv["auto"], tv[key], latency=True))
             lines += [f"Against the {label}:", ""] + _table(header, rows)
+        lines += _stall_lines(v.get("one_stream") or {}, sides)
         h = (v.get("one_stream") or {}).get("hindsight")
         if h:
             picks = ", ".join(f"`{a}` {n}" for a, n in h["picked"].items())
@@ -382,11 +418,12 @@ def render_lines(summary: dict[str, Any]) -> list[str]:
                       f"{_f(h['ratio'])} ({_ci(h['ci95'])}) of the best single anchor `{h['best_anchor']}`, the most a "
                       f"per-request choice among them could gain here; auto / that choice {_f(h['auto_ratio'])} "
                       f"({_ci(h['auto_ci95'])}).", ""]
-        by_task = v.get("one_stream_by_task") or {}
-        if by_task and anchors:
-            lines += ["One stream per task, against the anchor that is best on that task:", ""] + _table(
-                ["task"] + header[1:], [[f"`{t}`"] + _verdict_row("", tv["auto"], tv["vs_best_anchor"])[1:]
-                                        for t, tv in by_task.items()])
+        for key, what in (("one_stream_by_task", ""), ("one_stream_by_task_without_stalls", ", stalls taken out")):
+            by_task = v.get(key) or {}
+            if by_task and anchors:
+                lines += [f"One stream per task, against the anchor that is best on that task{what}:", ""] + _table(
+                    ["task"] + header[1:], [[f"`{t}`"] + _verdict_row("", tv["auto"], tv["vs_best_anchor"])[1:]
+                                            for t, tv in by_task.items()])
     if trace:
         lines += ["## Trace replay (open loop, the same arrival schedule for every configuration)", ""]
         shape = trace.get("schedule") or {}

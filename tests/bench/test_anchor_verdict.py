@@ -220,3 +220,41 @@ def test_part_of_a_mixed_run_is_reported_on_its_own(tmp_path):
     rerender(tmp_path, plots=False, tasks={"qa"}, out=tmp_path / "qa")
     summary = json.loads((tmp_path / "qa" / "summary.json").read_text())
     assert summary["anchor_verdicts"]["one_stream"]["vs_best_anchor"]["ratio"] == pytest.approx(10 / 9, rel=0.02)
+
+
+def streamed(config, prompt, steps, step_s, stall_at=None, stall_s=1.03):
+    """A one-stream sample of `steps` one-token chunks `step_s` apart, with one engine pause before
+    chunk `stall_at` (None: no pause)."""
+    times, t = [], 0.1
+    for i in range(steps):
+        if i == stall_at:
+            t += stall_s
+        times.append(t)
+        t += step_s
+    s = sample(config, prompt, steps, times[-1] + 0.01, ttft=0.1)
+    s.chunk_times_s = times
+    return s
+
+
+def test_stalls_are_counted_and_taken_out_of_the_one_stream_ratio():
+    # auto and the anchor are equally fast, but the anchor pauses 1.03 s in every third answer:
+    # measured, auto wins; with the pauses taken out it is a tie at 1.00.
+    samples = []
+    for p in range(30):
+        samples.append(streamed("auto", p, 60, 0.03 * (1.1 if p % 2 else 0.9)))
+        samples.append(streamed("stock-x", p, 60, 0.03 * (0.9 if p % 2 else 1.1), stall_at=20 if p % 3 == 0 else None))
+    v = V.anchor_verdicts(samples, ["stock-x"], resamples=200)["one_stream"]
+    assert v["vs_best_anchor"]["verdict"] == "win" and v["vs_best_anchor"]["ratio"] > 1.1
+    assert v["stalls"]["stock-x"]["stalled"] == 10 and v["stalls"]["auto"]["stalled"] == 0
+    assert v["stalls"]["stock-x"]["lost_s"] == pytest.approx(10 * 1.03, abs=0.01)  # the pause, not the step it held
+    calm = v["without_stalls"]["vs_best_anchor"]
+    assert calm["verdict"] == "tie" and calm["ratio"] == pytest.approx(1.0, abs=0.01)
+    lines = "\n".join(V.render_lines({"anchor_verdicts": {"one_stream": v}, "anchors": ["stock-x"]}))
+    assert "`stock-x` 10 of 30 requests" in lines and "stall time taken out" in lines
+
+
+def test_a_run_without_stalls_reports_no_stall_section():
+    samples = [streamed(c, p, 40, 0.03) for p in range(10) for c in ("auto", "stock-x")]
+    v = V.anchor_verdicts(samples, ["stock-x"], resamples=50)["one_stream"]
+    assert "stalls" not in v and "without_stalls" not in v
+    assert "Stalls" not in "\n".join(V.render_lines({"anchor_verdicts": {"one_stream": v}, "anchors": ["stock-x"]}))

@@ -182,6 +182,10 @@ def test_fleet_starts_waits_and_stops_the_process_tree(tmp_path):
         assert a.ready() and b.ready()
         pids = [a.proc.pid, b.proc.pid] + [int((tmp_path / f"{n}.child").read_text()) for n in "ab"]
         assert all(_alive(p) for p in pids)
+        # Each its own process group (stopped as one), in the bench's session: a session of its own
+        # is a scheduler autogroup of its own, which an idle cluster engine's probe starved.
+        assert [os.getpgid(s.proc.pid) for s in (a, b)] == [a.proc.pid, b.proc.pid]
+        assert {os.getsid(p) for p in pids} == {os.getsid(0)}
     deadline = time.monotonic() + 10
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)

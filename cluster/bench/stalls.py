@@ -1,11 +1,13 @@
 """Engine stalls in a one-stream comparison: gaps in a streamed answer far longer than its steps.
 
-In interleaved one-stream runs on this machine the stock vLLM servers, and not the cluster's
-engine, pause for about 1.05 s now and then in the middle of an answer (every chunk after the gap
-carries its usual one or two tokens: the engine paused, not the client). A pause like that is 4-8% of
-a stock server's summed latency in a run and decides a ratio of a few percent, so the report states
-the stalls per configuration and the ratio with every configuration's stalls taken out beside the
-measured one.
+On this machine, stock vLLM servers started in a session of their own paused for about 1.05 s in
+the middle of an answer whenever an idle engine of the cluster ran its health probe and busy-polled
+after it on the same core (the kernel schedules each session as one group; every chunk after the
+gap carried its usual one or two tokens: the engine paused, not the client).
+`cluster.bench.anchors.StockServer` now starts them in the bench's session. Such a pause was 4-8% of
+a stock server's summed latency in a run and decided a ratio of a few percent, so the report states
+the stalls per configuration, and the ratio with every configuration's stall time taken out beside
+the measured one, whatever their cause.
 
 A *stall* is an inter-chunk gap longer than `STALL_GAP_S`; the time it cost is the gap minus the
 request's median gap (the step it would have taken). Only gaps between chunks count, not the time

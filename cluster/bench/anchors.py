@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from cluster.bench.autogroup import autogroup_note, local_autogroups
 from cluster.bench.plan import ALL, AUTO, BEST, NONE, STOCK, BenchConfig, baseline_config
 from cluster.config import ClusterConfig, PoolConfig
 from cluster.ops.placement import cpu_engine_env
@@ -320,7 +321,7 @@ class StockServer:
     Its own process group (stopped as one), but the bench's session: Linux schedules each session as
     one group of tasks (`kernel.sched_autogroup_enabled`), and a stock server in a session of its own
     lost its core for about 1 s each time an idle engine of the cluster (another session) ran its
-    health probe and busy-polled after it on the same core (`autogroup_note`)."""
+    health probe and busy-polled after it on the same core (`cluster.bench.autogroup`)."""
 
     name: str
     argv: list[str]
@@ -385,50 +386,6 @@ class StockServer:
         self.proc.poll()
 
 
-def autogroup_note(enabled: str, bench_group: Optional[str], engine_groups: set[str]) -> Optional[str]:
-    """A warning when the stock servers (started in the bench's session) and the cluster's engines
-    are scheduled in different autogroups; None when they share one, autogroup is off, or nothing
-    is known. `enabled`: the text of /proc/sys/kernel/sched_autogroup_enabled; groups: the first
-    word of /proc/PID/autogroup.
-
-    >>> autogroup_note("1", "/autogroup-7", {"/autogroup-7"}) is None, autogroup_note("0", "/autogroup-7", {"/autogroup-9"})
-    (True, None)
-    >>> autogroup_note("1", "/autogroup-7", {"/autogroup-9"})[:40]
-    'bench: the stock servers run in schedule'
-    """
-    if enabled.strip() != "1" or not bench_group or not engine_groups or engine_groups == {bench_group}:
-        return None
-    return (f"bench: the stock servers run in scheduler autogroup {bench_group}, the cluster's engines in "
-            f"{', '.join(sorted(engine_groups))} (one per session): an idle cluster engine's health probe "
-            "can then take a shared core from a stock server for about 1 s (a stall in its answer). Run "
-            "the bench from the shell that started the cluster, or set kernel.sched_autogroup_enabled=0")
-
-
-def local_autogroups() -> tuple[str, Optional[str], set[str]]:
-    """(sched_autogroup_enabled, this process's autogroup, the autogroups of this machine's vLLM
-    workers): what `autogroup_note` reads; empty where /proc does not say."""
-    def group(pid: str) -> Optional[str]:
-        try:
-            return Path(f"/proc/{pid}/autogroup").read_text().split()[0]
-        except (OSError, IndexError):
-            return None
-
-    try:
-        enabled = Path("/proc/sys/kernel/sched_autogroup_enabled").read_text()
-    except OSError:
-        enabled = ""
-    engines = set()
-    for cmd in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if cmd.read_bytes().startswith(b"VLLM::Worker"):
-                g = group(cmd.parent.name)
-                if g:
-                    engines.add(g)
-        except OSError:
-            continue
-    return enabled, group("self"), engines
-
-
 def _group_alive(pgid: int) -> bool:
     """Some process of the group other than a zombie is left."""
     try:
@@ -459,7 +416,7 @@ class StockFleet:
     def __enter__(self) -> dict[str, str]:
         self._trap_sigterm()
         if self.servers:
-            note = autogroup_note(*local_autogroups())
+            note = autogroup_note(*local_autogroups())  # cluster.bench.autogroup
             if note:
                 self.log(note)
         try:

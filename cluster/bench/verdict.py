@@ -188,14 +188,18 @@ def hindsight_choice(by_cfg: dict[str, list[Sample]], anchors: list[str], key: C
             "auto_ci95": bootstrap_ci(len(shared), lambda idx: _rate_ratio(auto_versus, idx), resamples, seed)}
 
 
+def _one_stream_judge(resamples: int, seed: int) -> Callable[[list[Sample], list[Sample]], dict[str, Any]]:
+    """auto against another configuration at one stream: the throughput ratio paired by prompt."""
+    return lambda a, b: throughput_ratio(a, b, lambda s: s.prompt_id, wall=False, resamples=resamples, seed=seed)
+
+
 def _by_task(compare: list[Sample], anchors: list[str], resamples: int, seed: int) -> dict[str, Any]:
     """Per task, auto against the anchor that is best on that task (n-gram on one, suffix on another)."""
     out = {}
     for task, group in sorted(group_by(compare, lambda s: s.task).items()):
         cfgs = group_by(group, lambda s: s.config)
         if AUTO in cfgs and len(cfgs) > 1:
-            out[task] = _against(cfgs, anchors, request_rate, lambda a, b: throughput_ratio(
-                a, b, lambda s: s.prompt_id, wall=False, resamples=resamples, seed=seed))
+            out[task] = _against(cfgs, anchors, request_rate, _one_stream_judge(resamples, seed))
     return out
 
 
@@ -209,14 +213,14 @@ def anchor_verdicts(samples: list[Sample], anchors: list[str], resamples: int = 
     compare = [s for s in samples if s.phase == "compare" and s.temperature == 0]
     by_cfg = group_by(compare, lambda s: s.config)
     if AUTO in by_cfg and len(by_cfg) > 1:
-        out["one_stream"] = _against(by_cfg, anchors, request_rate, lambda a, b: throughput_ratio(
-            a, b, lambda s: s.prompt_id, wall=False, resamples=resamples, seed=seed))
+        judge = _one_stream_judge(resamples, seed)
+        out["one_stream"] = _against(by_cfg, anchors, request_rate, judge)
         stalls = stall_table(compare)
-        if any(row["stalled"] for row in stalls.values()):
-            calm = group_by([without_stalls(s) for s in compare], lambda s: s.config)
+        calm_samples = [without_stalls(s) for s in compare] if any(r["stalled"] for r in stalls.values()) else None
+        if calm_samples is not None:
+            calm = group_by(calm_samples, lambda s: s.config)
             out["one_stream"]["stalls"] = stalls
-            out["one_stream"]["without_stalls"] = _against(calm, anchors, request_rate, lambda a, b: throughput_ratio(
-                a, b, lambda s: s.prompt_id, wall=False, resamples=resamples, seed=seed))
+            out["one_stream"]["without_stalls"] = _against(calm, anchors, request_rate, judge)
             out["one_stream"]["without_stalls"]["hindsight"] = hindsight_choice(
                 calm, anchors, lambda s: s.prompt_id, resamples, seed)
         hindsight = hindsight_choice(by_cfg, anchors, lambda s: s.prompt_id, resamples, seed)
@@ -226,9 +230,8 @@ def anchor_verdicts(samples: list[Sample], anchors: list[str], resamples: int = 
         by_task = _by_task(compare, anchors, resamples, seed)
         if len(by_task) > 1:
             out["one_stream_by_task"] = by_task
-            if "without_stalls" in out["one_stream"]:
-                out["one_stream_by_task_without_stalls"] = _by_task(
-                    [without_stalls(s) for s in compare], anchors, resamples, seed)
+            if calm_samples is not None:
+                out["one_stream_by_task_without_stalls"] = _by_task(calm_samples, anchors, resamples, seed)
     load = {}
     for c, level in sorted(group_by([s for s in samples if s.phase == "sweep"], lambda s: s.concurrency).items()):
         by_cfg = group_by(level, lambda s: s.config)
@@ -364,7 +367,7 @@ def _verdict_row(phase: str, auto: Any, side: Optional[dict], latency: bool = Fa
             str(side["verdict"] or "-"), {True: "yes", False: "**no**", None: "-"}[side["target_met"]]]
 
 
-def _stall_lines(one: dict[str, Any], sides: list[tuple[str, str]]) -> list[str]:
+def _stall_lines(one: dict[str, Any], sides: list[tuple[str, str]], header: list[str]) -> list[str]:
     """The one-stream stalls per configuration and auto's ratios with them taken out ([] if none)."""
     stalls, calm = one.get("stalls"), one.get("without_stalls")
     if not stalls or not calm:
@@ -377,8 +380,7 @@ def _stall_lines(one: dict[str, Any], sides: list[tuple[str, str]]) -> list[str]
             f"`{h['best_anchor']}`; auto / that choice {_f(h['auto_ratio'])} ({_ci(h['auto_ci95'])}).", ""] if h else []
     return [f"Stalls (an inter-chunk gap above {STALL_GAP_S} s, less the request's usual gap; "
             f"`cluster.bench.stalls`): {per}. The same comparison with every configuration's stall time "
-            "taken out of its latency:", ""] + _table(
-        ["phase", "auto", "against", "ratio", "95% CI", "per round (wall) / p99", "verdict", "target met"], rows) + tail
+            "taken out of its latency:", ""] + _table(header, rows) + tail
 
 
 def render_lines(summary: dict[str, Any]) -> list[str]:
@@ -410,7 +412,7 @@ def render_lines(summary: dict[str, Any]) -> list[str]:
                 tv = trace["verdict"]
                 rows.append(_verdict_row("trace (mean latency ms)", tv["auto"], tv[key], latency=True))
             lines += [f"Against the {label}:", ""] + _table(header, rows)
-        lines += _stall_lines(v.get("one_stream") or {}, sides)
+        lines += _stall_lines(v.get("one_stream") or {}, sides, header)
         h = (v.get("one_stream") or {}).get("hindsight")
         if h:
             picks = ", ".join(f"`{a}` {n}" for a, n in h["picked"].items())

@@ -93,10 +93,10 @@ def main():
                 min(secs(res["ngram K=6"][i], cost), secs(res["ngram K=3"][i], cost), secs(res["suffix"][i], cost))
                 for i in range(n))
             line.append(f"per-request hindsight among the three {pick / base:.3f}")
-            worst = {c: max(rate(res[m], [i for i in range(n) if rows[i][0] == c], cost)
+            best_ngram = {c: max(rate(res[m], [i for i in range(n) if rows[i][0] == c], cost)
                             / rate(res["suffix"], [i for i in range(n) if rows[i][0] == c], cost)
                             for m in ("ngram K=6", "ngram K=3")) for c in classes}
-            line.append("best n-gram / suffix per class " + " ".join(f"{c} {v:.2f}" for c, v in worst.items()))
+            line.append("best n-gram / suffix per class " + " ".join(f"{c} {v:.2f}" for c, v in best_ngram.items()))
             best_global = max(knobs, key=lambda k: rate(knobs[k], range(n), cost))
             line.append(f"best single knob setting ({best_global}) {rate(knobs[best_global], range(n), cost) / base:.3f}")
             gains = []

@@ -334,6 +334,12 @@ class SuffixConfig(Strict):
         0.1, ge=0, le=1, description="A draft stops at a token whose estimated probability is below this.")
     max_cached_requests: int = Field(
         10000, ge=0, description="Earlier requests whose outputs the global tree keeps (0: the prompt's tree only).")
+    auto_ngram: bool = Field(
+        True,
+        description=(
+            "Pools of method ngram: whether the auto policy may also choose n-gram lookup here (false: suffix or "
+            "none only; a request that asks for mode ngram still gets it). Where the suffix tree drafts at least "
+            "as well on every class, n-gram choices only cost exploration and cold-start mistakes."))
     prior_alpha: Annotated[dict[str, float], AfterValidator(check_prior_alpha)] = Field(
         default_factory=dict,
         description="Cold-start α per workload class of suffix drafts (`*` for the rest); empty: built-in priors.")

@@ -77,4 +77,4 @@ def lookup_settings(pool: PoolConfig) -> dict[str, Any]:
     """What the lookup proposer reads from `additional_config` (`cluster.engine.lookup_proposer`)."""
     return {"method": pool.method.value, "ngram": pool.method == SpecMode.NGRAM,
             "ngram_min": pool.ngram_min, "ngram_max": pool.ngram_max,
-            "suffix": pool.suffix_settings.model_dump(exclude={"prior_alpha", "prior_draft_rate"})}
+            "suffix": pool.suffix_settings.model_dump(exclude={"prior_alpha", "prior_draft_rate", "auto_ngram"})}

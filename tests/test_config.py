@@ -5,6 +5,7 @@ import pytest
 import yaml
 
 from cluster.config import ConfigError, load_config, parse_config
+from cluster.speculation import SpecMode
 from tests.paths import LOCAL_CPU
 
 CONFIGS = Path(__file__).resolve().parents[1] / "cluster" / "configs"
@@ -23,6 +24,12 @@ def test_shipped_configs_load():
 def test_local_config_pools_and_modes():
     cfg = load_config(LOCAL_CPU)
     assert [m.value for m in cfg.pools["ngram"].modes] == ["ngram", "suffix", "none"]
+    # auto drafts by suffix or not at all on the n-gram pool; explicit n-gram requests still work
+    from cluster.routing.route import pool_views
+    views = {v.name: v for v in pool_views(cfg)}
+    assert views["ngram"].auto_skips == (SpecMode.NGRAM,) and views["draft"].auto_skips == ()
+    cfg2 = parse_config({**base(), "pools": {**base()["pools"], "ngram": {**base()["pools"]["ngram"], "suffix": {}}}})
+    assert {v.name: v for v in pool_views(cfg2)}["ngram"].auto_skips == ()
     assert cfg.pools["draft"].drafter == "smollm2-135m-eagle"
     assert cfg.pools["draft"].method.value == "eagle"
     assert cfg.models["smollm2-135m-eagle"].source.startswith("shipped:smollm2-135m:")

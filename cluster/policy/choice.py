@@ -217,8 +217,10 @@ def choose_auto(
     `router` is accepted for the routing contract (its default_k is not used: priors replace it)."""
     del router
     rng = rng if rng is not None else (tuning.rng if tuning is not None else None)
-    # A pool whose engine serves two drafting methods (n-gram and suffix) is two candidates.
-    cands = [score_pool(v, workload_class, tuning, params) for p in pools for v in p.by_method()]
+    # A pool whose engine serves two drafting methods (n-gram and suffix) is two candidates, less
+    # those the pool keeps out of auto's choice.
+    cands = [score_pool(v, workload_class, tuning, params)
+             for p in pools for v in p.by_method() if v.method not in p.auto_skips]
     chosen, k, best = _pick([(c, c.k, c.scores[c.k]) for c in cands], params.tie_tol)
     explore = False
     if rng is not None:

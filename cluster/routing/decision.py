@@ -38,6 +38,8 @@ class PoolView:
     auto: bool = True  # the auto policy may choose this pool (PoolConfig.auto)
     # Other drafting methods the same engine serves per request (an n-gram pool with `suffix` set).
     also: tuple[OtherMethod, ...] = ()
+    # Drafting methods of this engine the auto policy does not choose (SuffixConfig.auto_ngram false).
+    auto_skips: tuple[SpecMode, ...] = ()
 
     @property
     def modes(self) -> tuple[SpecMode, ...]:

@@ -78,6 +78,7 @@ def pool_views(config: ClusterConfig) -> list[PoolView]:
             also=tuple(OtherMethod(m, tuple(sorted(p.mode_prior_alpha(m).items())), p.mode_max_k(m),
                                    tuple(sorted(p.mode_prior_draft_rate(m).items())))
                        for m in p.modes if m not in (p.method, SpecMode.NONE)),
+            auto_skips=(SpecMode.NGRAM,) if p.suffix is not None and not p.suffix.auto_ngram else (),
         )
         for name, p in config.pools.items()
     ]

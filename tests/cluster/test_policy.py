@@ -1116,3 +1116,21 @@ def test_a_lookup_method_with_only_a_prior_does_not_win_by_drafting_every_step()
     cold = choose_auto([pool((("*", 0.5),), (("code", 0.6), ("*", 0.5)))], ROUTER, "code", None)
     assert cold.mode == SpecMode.SUFFIX and cold.detail["draft_rate"] == 0.6
     assert prior_draft_rate("code", (("*", 0.5),)) == 0.5 and prior_draft_rate("code") == 1.0
+
+
+def test_auto_skips_keeps_ngram_out_of_auto_choice_and_exploration():
+    """A pool that keeps n-gram out of auto's choice (`suffix.auto_ngram: false`) gets suffix or none
+    from the policy even where n-gram's priors score higher, exploring or not."""
+    from cluster.routing.decision import OtherMethod
+
+    def pool(skips):
+        return PoolView(name="ngram", model="m", method=SpecMode.NGRAM, max_k=6, prior_alpha=(("*", 0.9),),
+                        also=(OtherMethod(SpecMode.SUFFIX, (("*", 0.3),), 16),), auto_skips=skips)
+
+    assert choose_auto([pool(())], ROUTER, "code", None).mode == SpecMode.NGRAM
+    kept = choose_auto([pool((SpecMode.NGRAM,))], ROUTER, "code", None)
+    assert kept.mode in (SpecMode.SUFFIX, SpecMode.NONE) and kept.pool == "ngram"
+    assert set(kept.detail["scores"]) == {"ngram:suffix"}
+    rng = random.Random(3)
+    modes = {choose_auto([pool((SpecMode.NGRAM,))], ROUTER, "code", None, rng=rng).mode for _ in range(300)}
+    assert SpecMode.NGRAM not in modes and SpecMode.SUFFIX in modes

@@ -157,9 +157,9 @@ def test_tuning_explain_command_prints_cold_start_choices_when_redis_is_unreacha
     header = lines[1].split("\t")
     rows = [dict(zip(header, line.split("\t"))) for line in lines[2:]]
     assert len(rows) == 2 * 11 and {r["batch"] for r in rows} == {"1", "16"}
-    assert all(r["mode"] in ("ngram", "suffix", "none") for r in rows)  # the EAGLE head does not pay here, cold
-    assert all("ngram=" in r["scores"] and "ngram:suffix=" in r["scores"] and "draft=" not in r["scores"]
-               for r in rows)  # draft: auto: false; the n-gram pool's engine is scored for both its methods
+    assert all(r["mode"] in ("suffix", "none") for r in rows)  # suffix.auto_ngram: false; no EAGLE head
+    assert all("ngram:suffix=" in r["scores"] and "ngram=" not in r["scores"] and "draft=" not in r["scores"]
+               for r in rows)  # draft: auto: false; the n-gram pool's engine is scored for suffix only
     assert float(next(r for r in rows if r["workload_class"] == "translation" and r["batch"] == "1")["k"]) >= 4
     assert main(["tuning", "--config", str(cfg), "--explain", "--batches", "1,x"]) == 2
     assert "--batches" in capsys.readouterr().err

@@ -112,7 +112,7 @@ def test_tuning_command_prints_the_table(cluster):
     out = subprocess.run([sys.executable, "-m", "cluster.ops.cli", "tuning", "--config", str(cluster.config_path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "smollm2-135m" in out.stdout and "ngram" in out.stdout
+    assert "smollm2-135m" in out.stdout and "suffix" in out.stdout  # auto drafts by suffix on the n-gram pool
     assert "step_ms_at_k" in out.stdout.splitlines()[1]
     out = subprocess.run([sys.executable, "-m", "cluster.ops.cli", "tuning", "--json", "--config", str(cluster.config_path)],
                          capture_output=True, text=True, timeout=120)

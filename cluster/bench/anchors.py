@@ -416,7 +416,7 @@ class StockFleet:
     def __enter__(self) -> dict[str, str]:
         self._trap_sigterm()
         if self.servers:
-            note = autogroup_note(*local_autogroups())  # cluster.bench.autogroup
+            note = autogroup_note(*local_autogroups())
             if note:
                 self.log(note)
         try:

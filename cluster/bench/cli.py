@@ -300,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
     # enough, tasks round-robin so that every phase (the next n of the cycled list) holds every task.
     n_tasks = len({p.task for p in prompts})
     need = max([P.sweep_requests(c, len(prompts), per_phase=args.sweep_requests) * args.sweep_rounds
-                for c in levels if c > 1] + [args.max_requests if args.rate else 0, len(offsets)])
+                for c in levels if c > 1] + [args.max_requests if args.rate else 0, len(offsets) * args.trace_rounds])
     sweep_prompts = interleave_tasks(select(prompts_all, max(1, math.ceil(need / max(n_tasks, 1))), args.seed + 1,
                                             tasks, args.max_prompt_chars)) if need else []
     shape = P.PlanShape(

@@ -28,7 +28,7 @@ from typing import Optional
 from cluster.bench import plan as P
 from cluster.bench.metrics import Sample, best_k_per_mode, group_by, repeat_spread
 from cluster.bench.runner import Job, Runner
-from cluster.bench.trace import Arrival
+from cluster.bench.trace import Arrival, round_schedule
 from cluster.bench.workload import Prompt
 from cluster.client import AsyncSpecServeClient
 
@@ -213,16 +213,18 @@ async def _measure(run: PhaseRun, runner: Runner, send, warm, bar) -> None:
                 await forget(runner, cfg, args)
                 await send([Job("sweep", cfg, p, concurrency=c, repeat=r) for p in round_prompts], c)
 
-    # 6. Trace replay: the schedule, identical for every configuration, in rounds ordered like the sweep's.
+    # 6. Trace replay: the schedule, identical for every configuration, in rounds ordered like the sweep's;
+    # each round the next prompts (`trace.round_schedule`), the same for every configuration in it.
     if run.arrivals:
         offsets = [a.offset_s for a in run.arrivals]
         for r, order in enumerate(P.sweep_round_orders(len(sweep_cfgs), args.trace_rounds)):
-            await warm(sweep_cfgs, [a.prompt for a in run.arrivals])
+            arrivals = round_schedule(run.arrivals, run.sweep_prompts, r)
+            await warm(sweep_cfgs, [a.prompt for a in arrivals])
             for cfg in (sweep_cfgs[i] for i in order):
                 await forget(runner, cfg, args)
                 bar.total += len(offsets)
                 log(f"bench: trace round {r}: {cfg.name}, {len(offsets)} arrivals over {offsets[-1]:.0f} s")
-                await runner.run_schedule(trace_jobs(run.arrivals, cfg, r), offsets)
+                await runner.run_schedule(trace_jobs(arrivals, cfg, r), offsets)
 
     # 7. Open loop, Poisson arrivals, bounded in time and count (nonced: cold for every configuration).
     if args.rate and args.rate > 0:

@@ -21,7 +21,7 @@ import io
 import math
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
@@ -231,6 +231,21 @@ def build_schedule(offsets: list[float], prompts: list[Prompt], max_tokens: int,
     gen = generated or [None] * len(offsets)
     return [Arrival(i, t, prompts[i % len(prompts)], max(1, min(max_tokens, g)) if g else max_tokens)
             for i, (t, g) in enumerate(zip(offsets, gen))]
+
+
+def round_schedule(arrivals: list[Arrival], prompts: list[Prompt], round_: int) -> list[Arrival]:
+    """The schedule of replay round `round_`: the same arrival times and max_tokens, the prompts that
+    follow the previous rounds' in `prompts` (cycled), so no round resends an earlier round's prompt
+    while `prompts` lasts. A server that remembers its answers across requests (stock suffix
+    decoding) would otherwise draft later rounds from its own earlier ones. Round 0 is `build_schedule`'s.
+
+    >>> p = [Prompt(c, "qa", "qa", c) for c in "abcde"]
+    >>> s = build_schedule([0.0, 1.0], p, 8)
+    >>> [[a.prompt.question_id for a in round_schedule(s, p, r)] for r in range(3)]
+    [['a', 'b'], ['c', 'd'], ['e', 'a']]
+    """
+    n = len(arrivals)
+    return [replace(a, prompt=prompts[(round_ * n + i) % len(prompts)]) for i, a in enumerate(arrivals)]
 
 
 def schedule_shape(arrivals: list[Arrival]) -> dict:

@@ -108,6 +108,23 @@ def test_schedule_is_identical_for_every_configuration():
     assert summary["arrivals"] == 40 and summary["mean_rate_rps"] == pytest.approx(1.0) and summary["prompts"] == 7
 
 
+def test_each_round_sends_the_next_prompts_on_the_same_schedule():
+    """A stock suffix server remembers answers across requests: a round that resent an earlier round's
+    prompts would meet its own answers as drafts. Rounds keep the times and lengths, not the prompts."""
+    many = [Prompt(str(i), "qa", "qa", f"question {i}") for i in range(120)]  # 3 rounds of 40
+    offs, gen, _ = T.offsets_from_args(args(trace_file=str(SAMPLE), trace_rate=1.0), 0)
+    arrivals = T.build_schedule(offs, many, 48, gen)
+    rounds = [T.round_schedule(arrivals, many, r) for r in range(3)]
+    assert [a.prompt for a in rounds[0]] == [a.prompt for a in arrivals]
+    for r in rounds:
+        assert [(a.index, a.offset_s, a.max_tokens) for a in r] == [(a.index, a.offset_s, a.max_tokens) for a in arrivals]
+    ids = [{a.prompt.question_id for a in r} for r in rounds]
+    assert all(len(i) == 40 for i in ids) and not (ids[0] & ids[1]) and not (ids[1] & ids[2]) and not (ids[0] & ids[2])
+    # too few prompts: they cycle, in the same order for every configuration of a round
+    few = T.round_schedule(T.build_schedule(offs, PROMPTS, 48, gen), PROMPTS, 1)
+    assert [a.prompt.question_id for a in few[:3]] == ["5", "6", "0"]
+
+
 def test_round_orders_rotate_and_reverse():
     orders = P.sweep_round_orders(3, 6)
     assert orders == [[0, 1, 2], [2, 1, 0], [1, 2, 0], [0, 2, 1], [2, 0, 1], [1, 0, 2]]

@@ -142,7 +142,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t("--trace-max-requests", type=int, default=None, help="Keep at most this many arrivals.")
     t("--trace-rounds", type=int, default=3,
       help="Rounds of the replay: every sweep configuration replays the same schedule once per round, "
-           "the order rotated and reversed from round to round (3).")
+           "the order rotated and reversed from round to round, each round with the next prompts (3).")
 
 
 def _resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -250,9 +250,12 @@ def _print_plan(run_: PhaseRun, args, baselines: list[A.Baseline], pool_name: Op
             + "): " + "; ".join(b.describe() for b in baselines))
     if run_.arrivals:
         shape = T.schedule_shape(run_.arrivals)
+        sent = len({a.prompt.question_id for r in range(args.trace_rounds)
+                    for a in T.round_schedule(run_.arrivals, run_.sweep_prompts, r)})
         log(f"bench: trace {trace_source}: {shape['arrivals']} arrivals over {shape['span_s']:.0f} s (mean "
-            f"{shape['mean_rate_rps']:.3f} req/s), {shape['prompts']} prompts, replayed in {args.trace_rounds} rounds "
-            f"by the sweep configurations")
+            f"{shape['mean_rate_rps']:.3f} req/s), replayed in {args.trace_rounds} rounds by the sweep configurations, "
+            f"{sent} distinct prompts" + ("" if sent >= shape["arrivals"] * args.trace_rounds else
+                                          " (too few for every round's own: some come round again)"))
     print_estimate(f"bench: estimate at {args.assumed_tokens_per_s:g} tok/s one stream",
                    estimate(run_, args.assumed_tokens_per_s, n_started))
 

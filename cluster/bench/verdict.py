@@ -326,12 +326,29 @@ def round_orders(samples: list[Sample]) -> list[list[str]]:
     return out
 
 
+def resent_arrivals(samples: list[Sample]) -> int:
+    """Trace arrivals (of one configuration, the first by name) whose prompt an earlier round sent.
+
+    >>> S = lambda c, r, p: Sample("trace", c, p, "qa", "qa", 0.0, 0, repeat=r)
+    >>> resent_arrivals([S("a", 0, "x"), S("a", 0, "y"), S("a", 1, "z"), S("a", 1, "x"), S("b", 1, "y")])
+    1
+    """
+    if not samples:
+        return 0
+    first = min(s.config for s in samples)
+    seen: dict[str, int] = {}
+    for s in samples:
+        if s.config == first:
+            seen[s.prompt_id] = min(seen.get(s.prompt_id, s.repeat), s.repeat)
+    return sum(1 for s in samples if s.config == first and seen[s.prompt_id] < s.repeat)
+
+
 def add_verdicts(summary: dict[str, Any], samples: list[Sample], slo: Slo, anchors: list[str]) -> None:
     """Put the trace table and the verdicts against the anchors into a built summary."""
     trace = [s for s in samples if s.phase == "trace"]
     if trace:
         summary["trace"] = {"configs": trace_table(trace, slo), "verdict": trace_verdict(trace, anchors),
-                            "order": round_orders(trace)}
+                            "order": round_orders(trace), "resent": resent_arrivals(trace)}
     verdicts = anchor_verdicts(samples, anchors)
     if verdicts:
         summary["anchor_verdicts"] = verdicts
@@ -441,4 +458,8 @@ def render_lines(summary: dict[str, Any]) -> list[str]:
                  _ms(r["ttft_p99_s"]), _ms(r["tpot_mean_s"])] for cfg, r in trace["configs"].items()]
         lines += ["Times in ms; throughput = output tokens / summed round spans (first send to last end); goodput = "
                   "requests meeting every given SLO per second.", ""] + _table(header, rows)
+        if trace.get("resent"):
+            lines += ["", f"**{trace['resent']} arrivals of later rounds resend a prompt of an earlier round** (too few "
+                      "prompts for every round's own): a server that remembers answers across requests (stock "
+                      "suffix decoding) drafts those from memory, so compare it on the first round only."]
     return lines

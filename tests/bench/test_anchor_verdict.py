@@ -154,6 +154,11 @@ def test_summary_and_report_carry_the_anchor_sections():
     assert "## `auto` against the stock-vLLM anchors and every other configuration" in report
     assert "Against the best anchor:" in report and "| trace (mean latency ms) |" in report
     assert "## Trace replay" in report and "| stock-none | 40 | 0 |" in report
+    # both rounds send the same 7 prompts: the report says so (a stock suffix server would draft them from memory)
+    assert summary["trace"]["resent"] == 20 and "**20 arrivals of later rounds resend a prompt" in report
+    fresh = [s for s in trace_samples({"auto": 1.0, "stock-none": 1.1}) if s.repeat == 0]
+    assert V.resent_arrivals(fresh) == 0
+    assert "resend a prompt" not in render_markdown(build_summary(fresh, Slo(), anchors=("stock-none",)), {})
 
 
 def test_per_task_each_task_is_judged_against_the_anchor_that_is_best_on_it():

@@ -29,7 +29,7 @@ from cluster.bench import plan as P
 from cluster.bench.metrics import Sample, best_k_per_mode, group_by, repeat_spread
 from cluster.bench.runner import Job, Runner
 from cluster.bench.trace import Arrival, round_schedule
-from cluster.bench.workload import Prompt
+from cluster.bench.workload import Prompt, round_prompts
 from cluster.client import AsyncSpecServeClient
 
 WARM_STREAMS = 4  # warm-up requests in flight at once (1 token each: mostly prefill)
@@ -207,11 +207,11 @@ async def _measure(run: PhaseRun, runner: Runner, send, warm, bar) -> None:
     for li, c in enumerate(lv for lv in run.levels if lv > 1):
         n = P.sweep_requests(c, len(prompts), per_phase=args.sweep_requests)
         for r, order in enumerate(P.sweep_round_orders(len(sweep_cfgs), args.sweep_rounds, shift=li)):
-            round_prompts = [run.sweep_prompts[(r * n + i) % len(run.sweep_prompts)] for i in range(n)]
-            await warm(sweep_cfgs, round_prompts)
+            phase_prompts = round_prompts(run.sweep_prompts, n, r)
+            await warm(sweep_cfgs, phase_prompts)
             for cfg in (sweep_cfgs[i] for i in order):
                 await forget(runner, cfg, args)
-                await send([Job("sweep", cfg, p, concurrency=c, repeat=r) for p in round_prompts], c)
+                await send([Job("sweep", cfg, p, concurrency=c, repeat=r) for p in phase_prompts], c)
 
     # 6. Trace replay: the schedule, identical for every configuration, in rounds ordered like the sweep's;
     # each round the next prompts (`trace.round_schedule`), the same for every configuration in it.

@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
-from cluster.bench.workload import Prompt
+from cluster.bench.workload import Prompt, round_prompts
 
 
 @dataclass(frozen=True)
@@ -244,8 +244,7 @@ def round_schedule(arrivals: list[Arrival], prompts: list[Prompt], round_: int) 
     >>> [[a.prompt.question_id for a in round_schedule(s, p, r)] for r in range(3)]
     [['a', 'b'], ['c', 'd'], ['e', 'a']]
     """
-    n = len(arrivals)
-    return [replace(a, prompt=prompts[(round_ * n + i) % len(prompts)]) for i, a in enumerate(arrivals)]
+    return [replace(a, prompt=p) for a, p in zip(arrivals, round_prompts(prompts, len(arrivals), round_))]
 
 
 def schedule_shape(arrivals: list[Arrival]) -> dict:

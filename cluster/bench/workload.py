@@ -143,3 +143,14 @@ def interleave_tasks(prompts: list[Prompt]) -> list[Prompt]:
         by_task.setdefault(p.task, []).append(p)
     groups = list(by_task.values())
     return [g[i] for i in range(max((len(g) for g in groups), default=0)) for g in groups if i < len(g)]
+
+
+def round_prompts(prompts: list[Prompt], n: int, round_: int) -> list[Prompt]:
+    """Round `round_`'s n prompts: the n after the previous rounds' in `prompts`, cycled, so rounds
+    share no prompt while `prompts` lasts (the load sweep's rounds and the trace replay's).
+
+    >>> p = [Prompt(c, "qa", "qa", c) for c in "abcde"]
+    >>> [[x.question_id for x in round_prompts(p, 2, r)] for r in range(3)]
+    [['a', 'b'], ['c', 'd'], ['e', 'a']]
+    """
+    return [prompts[(round_ * n + i) % len(prompts)] for i in range(n)]

@@ -112,15 +112,18 @@ def position_acceptance(steps: Iterable[Step]) -> str:
 
 class SuffixReplay:
     """Replays requests one after another through one suffix cache, as the engine's lookup
-    proposer drafts for mode suffix (`cluster.engine.lookup_proposer`)."""
+    proposer drafts for mode suffix (`cluster.engine.lookup_proposer`). `settings`: the pool's
+    suffix settings (max_tree_depth, max_cached_requests, max_spec_factor, min_token_prob);
+    `max_spec_offset`: arctic-inference's knob the pools leave at its default, for knob sweeps."""
 
-    def __init__(self, settings):
+    def __init__(self, settings, max_spec_offset: float = 0.0):
         # lazy: an optional native extension (scripts/bootstrap.sh builds it); only --method suffix needs it
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
         self.s = settings
         self.cache = SuffixDecodingCache(max_tree_depth=settings.max_tree_depth,
                                          max_cached_requests=settings.max_cached_requests)
+        self.max_spec_offset = max_spec_offset
         self.n = 0
 
     def steps(self, prompt_ids: Sequence[int], output_ids: Sequence[int], k: int) -> list[Step]:
@@ -135,7 +138,8 @@ class SuffixReplay:
             seen[0] = len(context)
             return np.asarray(self.cache.speculate(
                 rid, np.asarray(context[-self.s.max_tree_depth:], dtype=np.int32), max_spec_tokens=k,
-                max_spec_factor=self.s.max_spec_factor, min_token_prob=self.s.min_token_prob).token_ids, dtype=np.int32)
+                max_spec_factor=self.s.max_spec_factor, max_spec_offset=self.max_spec_offset,
+                min_token_prob=self.s.min_token_prob).token_ids, dtype=np.int32)
 
         steps = replay(prompt_ids, output_ids, StaticK(k), propose)
         self.cache.add_active_response(rid, [int(t) for t in list(prompt_ids) + list(output_ids)][seen[0]:])

@@ -1,4 +1,5 @@
-"""The K replay: exact tokens per step of a K policy from a greedy output, priced with a run's own step times."""
+"""The K replay: exact tokens per step of a K policy from a greedy output, priced with a run's own step times;
+the suffix cache replay (`cluster.bench.prior_alpha.SuffixReplay`)."""
 
 from __future__ import annotations
 
@@ -115,3 +116,31 @@ def test_auto_grown_by_the_engines_rule_is_replayed_and_priced_by_drafts_on_requ
                    by_drafts={0: 1.0, 1: 1.0, 2: 1.0, 3: 2.0, 4: 2.0})
     assert dear["ceilings"]["auto's chosen K, grown +2 to 4"] < grown
     assert "auto's chosen K, grown +2 to 4" not in analyse(cases, costs, ngram_proposer(2, 5), chosen={"a": [1]})["ceilings"]
+
+
+def _suffix_replay(offset: float = 0.0):
+    from types import SimpleNamespace
+
+    from cluster.bench.prior_alpha import SuffixReplay
+
+    knobs = SimpleNamespace(max_tree_depth=24, max_cached_requests=100, max_spec_factor=1.0, min_token_prob=0.1)
+    return SuffixReplay(knobs, max_spec_offset=offset)
+
+
+def test_the_suffix_replay_drafts_a_second_request_from_the_first_ones_answer():
+    rng = np.random.default_rng(0)
+    prompt, answer = list(rng.integers(500, 900, 20)), list(rng.integers(1000, 1400, 40))  # nothing repeats
+    suffix = _suffix_replay()
+    first, second = suffix.steps(prompt, answer, 16), suffix.steps(prompt, answer, 16)
+    for steps in (first, second):
+        assert 0 <= sum(s.accepted + 1 for s in steps) - (len(answer) - 1) <= 1
+    assert sum(s.accepted for s in first) == 0  # a fresh cache holds no answer to draft from
+    assert len(second) <= len(first) // 4  # the global tree drafts the remembered answer in long runs
+
+
+def test_the_suffix_replay_passes_max_spec_offset_on():
+    # The answer copies the prompt from its third token: after a one-token match a draft is capped
+    # at max_spec_factor x 1 + max_spec_offset tokens.
+    prompt, answer = [1, 2, 3, 4, 5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 8, 9, 1]
+    plain, offset = _suffix_replay(0.0).steps(prompt, answer, 16), _suffix_replay(4.0).steps(prompt, answer, 16)
+    assert (plain[0].drafted, offset[0].drafted) == (1, 5)

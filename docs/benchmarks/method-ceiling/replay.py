@@ -5,9 +5,9 @@ one stream, with no measurement noise? Tune halves of both prompt files only.
 
 Greedy outputs (128 tokens) come from a plain engine built like the n-gram pool's
 (`cluster.bench.prior_alpha._greedy_outputs`); each output is replayed through vLLM's n-gram matcher
-(lookup 1..5) and through arctic-inference's suffix cache (one cache over all prompts in a shuffled
-order, as a serving engine meets them), counting per step the drafts and how many the output
-accepts (`cluster.bench.k_replay.replay`). A request's time = TTFT + per step (STEP_S + DRAFT_S x
+(lookup 1..5) and through arctic-inference's suffix cache (`cluster.bench.prior_alpha.SuffixReplay`:
+one cache over all prompts in a shuffled order, as a serving engine meets them), counting per step
+the drafts and how many the output accepts (`cluster.bench.k_replay.replay`). A request's time = TTFT + per step (STEP_S + DRAFT_S x
 drafts), fitted on `auto`'s one-stream requests of tune-half bench runs (26.5 ms a step, 1.44 ms a
 draft; the stock servers' own fit, 25 ms and 4 ms, is printed too). Rates are summed tokens / summed
 time, as the bench's one-stream rate.
@@ -19,6 +19,7 @@ import json
 import os
 import random
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -38,33 +39,23 @@ def main():
                                ["cluster/data/specbench-dev.jsonl", "cluster/data/repeated-structure.jsonl"])
         json.dump(rows, open(args.outputs, "w"))
     rows = json.load(open(args.outputs))
-    from arctic_inference.suffix_decoding import SuffixDecodingCache
     from cluster.bench.k_replay import StaticK, ngram_proposer, replay
+    from cluster.bench.prior_alpha import SuffixReplay
 
     ngram = ngram_proposer(1, 5)
 
     def run(order, kind, k=16, factor=1.0, offset=0.0, prob=0.1):
-        cache, out = SuffixDecodingCache(max_tree_depth=24, max_cached_requests=10000), {}
-        for n, i in enumerate(order):
+        """(output tokens, steps, drafted tokens) per prompt, replayed in `order`: n-gram lookup at
+        K = k, or one suffix cache over all of them (the pools' tree depth, these knobs)."""
+        suffix = SuffixReplay(SimpleNamespace(max_tree_depth=24, max_cached_requests=10000, max_spec_factor=factor,
+                                              min_token_prob=prob), max_spec_offset=offset) if kind == "suffix" else None
+        out = {}
+        for i in order:
             _, ids, o = rows[i]
-            rid, seen = f"r{n}", [len(ids)]
-            cache.start_request(rid, np.asarray(ids, dtype=np.int32))
-
-            def propose(ctx, _k):
-                if len(ctx) > seen[0]:
-                    cache.add_active_response(rid, [int(t) for t in ctx[seen[0]:]])
-                    seen[0] = len(ctx)
-                if kind == "ngram":
-                    return ngram(ctx, k)
-                return np.asarray(cache.speculate(rid, np.asarray(ctx[-24:], dtype=np.int32), max_spec_tokens=k,
-                                                  max_spec_factor=factor, max_spec_offset=offset,
-                                                  min_token_prob=prob).token_ids, dtype=np.int32)
-
-            steps = replay(ids, o, StaticK(k), propose)
-            full = list(ids) + list(o)
-            if len(full) > seen[0]:
-                cache.add_active_response(rid, full[seen[0]:])
-            cache.stop_request(rid)
+            if kind == "ngram":
+                steps = replay(ids, o, StaticK(k), ngram)
+            else:
+                steps = suffix.steps(ids, o, k)
             out[i] = (len(o), len(steps), sum(s.drafted for s in steps))
         return out
 

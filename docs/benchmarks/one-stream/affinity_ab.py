@@ -12,7 +12,6 @@ B's processes back. Every prompt warmed in every engine first; 1.2 s before each
 """
 import json
 import os
-import random
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 from cluster.bench import anchors as A  # noqa: E402
+from engine_pair import interval  # noqa: E402  (this folder: the same paired bootstrap)
 from cluster.bench.split import keep  # noqa: E402
 from cluster.bench.workload import load_prompts  # noqa: E402
 from cluster.config import load_config  # noqa: E402
@@ -63,16 +63,6 @@ def request(c: httpx.Client, url: str, model: str, text: str) -> tuple[int, floa
     return n, time.perf_counter() - t, "".join(out)
 
 
-def interval(a: list, b: list, rnd: random.Random) -> str:
-    rs = []
-    for _ in range(2000):
-        idx = [rnd.randrange(len(a)) for _ in a]
-        rs.append((sum(a[i][0] for i in idx) / sum(a[i][1] for i in idx))
-                  / (sum(b[i][0] for i in idx) / sum(b[i][1] for i in idx)))
-    rs.sort()
-    return f"{rs[50]:.3f}-{rs[1949]:.3f}"
-
-
 def main() -> None:
     skip, n = int(sys.argv[1]), int(sys.argv[2])
     config = load_config(str(ROOT / "cluster" / "configs" / "local-cpu.yaml"))
@@ -109,10 +99,9 @@ def main() -> None:
         set_affinity(pinned)
         stock.stop()
     rates = {v: sum(k for k, _ in x) / sum(s for _, s in x) for v, x in per.items()}
-    rnd = random.Random(0)
     print(f"{len(per['A'])} prompts, greedy mismatches {mismatches}; tok/s", {v: round(r, 2) for v, r in rates.items()})
     for a, b in (("A", "stock"), ("B", "stock"), ("B", "A")):
-        print(f"{a} / {b}: {rates[a] / rates[b]:.3f} ({interval(per[a], per[b], rnd)})")
+        print(f"{a} / {b}: {rates[a] / rates[b]:.3f} ({interval(per[a], per[b])})")
 
 
 if __name__ == "__main__":

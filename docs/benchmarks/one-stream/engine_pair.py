@@ -15,7 +15,6 @@ interval against the last variant, and each engine's drafts and steps (vLLM's me
 Arguments: the variants (the last is the reference), how many prompts, how many to skip.
 """
 import os
-import random
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 from cluster.bench import anchors as A  # noqa: E402
+from cluster.bench.verdict import bootstrap_ci  # noqa: E402
 from cluster.config import load_config  # noqa: E402
 from cluster.ops.models import resolve_model  # noqa: E402
 
@@ -45,15 +45,12 @@ def engine_args(variant: str) -> dict:
     return {**kw, "generation_config": "vllm", "disable_log_stats": False}
 
 
-def interval(a: list, b: list, rnd: random.Random) -> str:
-    """95% paired bootstrap interval of tokens/s a over b ((tokens, seconds) per prompt)."""
-    rs = []
-    for _ in range(2000):
-        idx = [rnd.randrange(len(a)) for _ in a]
-        rs.append((sum(a[i][0] for i in idx) / sum(a[i][1] for i in idx))
-                  / (sum(b[i][0] for i in idx) / sum(b[i][1] for i in idx)))
-    rs.sort()
-    return f"{rs[50]:.4f}-{rs[1949]:.4f}"
+def interval(a: list, b: list) -> str:
+    """95% paired bootstrap interval (the bench's) of tokens/s a over b ((tokens, seconds) per prompt)."""
+    def rate(x: list, idx: list[int]) -> float:
+        return sum(x[i][0] for i in idx) / sum(x[i][1] for i in idx)
+    lo, hi = bootstrap_ci(len(a), lambda idx: rate(a, idx) / rate(b, idx))
+    return f"{lo:.4f}-{hi:.4f}"
 
 
 def main() -> None:
@@ -95,11 +92,11 @@ def main() -> None:
             outs.append(list(out.token_ids))
         mismatches += any(o != outs[0] for o in outs)
     rates = {v: sum(k for k, _ in x) / sum(s for _, s in x) for v, x in per.items()}
-    base, rnd = variants[-1], random.Random(0)
+    base = variants[-1]
     print(f"{len(texts)} prompts, greedy mismatches {mismatches}; tok/s",
           {v: round(r, 2) for v, r in rates.items()}, flush=True)
     for v in variants[:-1]:
-        print(f"{v} / {base}: {rates[v] / rates[base]:.4f} ({interval(per[v], per[base], rnd)})", flush=True)
+        print(f"{v} / {base}: {rates[v] / rates[base]:.4f} ({interval(per[v], per[base])})", flush=True)
     for v, llm in engines.items():
         got = {m.name: getattr(m, "value", None) or getattr(m, "count", None) for m in llm.get_metrics()
                if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens",

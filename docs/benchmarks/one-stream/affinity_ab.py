@@ -6,11 +6,10 @@ pinned as `specserve up` pins them (A), the same with both floating over every c
 stock-suffix server this script starts as `specserve bench` starts its anchors. The cluster's suffix
 trees forget earlier outputs before each of its requests (A and B see the same prompt). Stop the
 `specserve up` process's pinning pass first (`kill -STOP <pid>`; `kill -CONT` after): it would move
-B's processes back. Every prompt warmed in every engine first; 1.2 s before each request.
+B's processes back. Requests go through the bench's client (`cluster.client`), streamed. Every prompt warmed in every engine first; 1.2 s before each request.
 
     .venv/bin/python docs/benchmarks/one-stream/affinity_ab.py 3 45
 """
-import json
 import os
 import sys
 import time
@@ -23,9 +22,12 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 from cluster.bench import anchors as A  # noqa: E402
 from engine_pair import interval  # noqa: E402  (this folder: the same paired bootstrap)
+from cluster.bench.runner import STOCK_EXTRA  # noqa: E402
 from cluster.bench.split import keep  # noqa: E402
 from cluster.bench.workload import load_prompts  # noqa: E402
+from cluster.client import SpecServeClient  # noqa: E402
 from cluster.config import load_config  # noqa: E402
+from cluster.ops.cpu_pinning import Proc, reserved_cpus  # noqa: E402
 from cluster.ops.models import resolve_model  # noqa: E402
 
 CLUSTER = "http://127.0.0.1:8000"
@@ -40,7 +42,7 @@ def engine_processes() -> list[psutil.Process]:
     return out
 
 
-def set_affinity(cpus: set[int]) -> None:
+def set_affinity(cpus: frozenset[int]) -> None:
     for p in engine_processes():
         for t in p.threads():
             try:
@@ -49,27 +51,14 @@ def set_affinity(cpus: set[int]) -> None:
                 pass
 
 
-def request(c: httpx.Client, url: str, model: str, text: str) -> tuple[int, float, str]:
-    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 128,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    n, out, t = 0, [], time.perf_counter()
-    with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                d = json.loads(line[6:])
-                n = d["usage"]["completion_tokens"] if d.get("usage") else n
-                out += [ch.get("delta", {}).get("content") or "" for ch in d.get("choices", [])]
-    return n, time.perf_counter() - t, "".join(out)
-
-
 def main() -> None:
     skip, n = int(sys.argv[1]), int(sys.argv[2])
     config = load_config(str(ROOT / "cluster" / "configs" / "local-cpu.yaml"))
     pool_name, pool = A.choose_pool(config, None)
-    all_cpus = set(os.sched_getaffinity(0))
-    pinned = {c for c in all_cpus if c not in set().union(*(p.cpu_affinity() for p in psutil.process_iter()
-                                                             if p.name().startswith("VLLM::Worker")))} or all_cpus
+    all_cpus = frozenset(os.sched_getaffinity(0))
+    procs = [Proc(p.pid, p.info["name"] or "", frozenset(p.info["cpu_affinity"] or all_cpus))
+             for p in psutil.process_iter(["name", "cpu_affinity"])]
+    pinned = reserved_cpus(procs, all_cpus) or all_cpus  # where `specserve up` pins serving processes
     stock = A.plan_servers(A.parse_baselines("suffix", pool, pool_name), pool, resolve_model(pool.model, config),
                            pool.model, config.models[pool.model].dtype, Path("/tmp/affinity_ab"))[0]
     stock.start()
@@ -78,22 +67,25 @@ def main() -> None:
     try:
         stock.wait_ready(900)
         prompts = keep(load_prompts(), "tune")[skip:skip + n]
-        with httpx.Client(timeout=600) as c:
+        with SpecServeClient(CLUSTER) as cluster, SpecServeClient(stock.url) as stocks:
+            def ask(v: str, text: str, max_tokens: int):
+                client, extra = (stocks, STOCK_EXTRA) if v == "stock" else (cluster, None)
+                return client.generate_streamed(messages=[{"role": "user", "content": text}], model=pool.model,
+                                                max_tokens=max_tokens, temperature=0, extra=extra)
             for p in prompts:
-                for url in (CLUSTER, stock.url):
-                    c.post(url + "/v1/chat/completions", json={"model": pool.model, "max_tokens": 1, "temperature": 0,
-                           "messages": [{"role": "user", "content": p.text}]}).raise_for_status()
+                for v in ("A", "stock"):
+                    ask(v, p.text, 1)
             for i, p in enumerate(prompts):
                 order = ["A", "B", "stock"][i % 3:] + ["A", "B", "stock"][:i % 3]
                 texts = set()
                 for v in reversed(order) if (i // 3) % 2 else order:
                     if v != "stock":
                         set_affinity(pinned if v == "A" else all_cpus)
-                        c.post(CLUSTER + "/v1/specserve/forget_outputs").raise_for_status()
+                        httpx.post(CLUSTER + "/v1/specserve/forget_outputs", timeout=60).raise_for_status()
                     time.sleep(1.2)
-                    k, dt, text = request(c, stock.url if v == "stock" else CLUSTER, pool.model, p.text)
-                    per[v].append((k, dt))
-                    texts.add(text)
+                    r = ask(v, p.text, 128)
+                    per[v].append((len(r.token_ids), r.latency_s))
+                    texts.add(r.text)
                 mismatches += len(texts) > 1
     finally:
         set_affinity(pinned)

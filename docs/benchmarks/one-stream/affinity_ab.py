@@ -1,14 +1,20 @@
-"""One stream through a running cluster: does pinning the n-gram pool's engine core and engine
-replica to the serving core (`ray.pin_serving_cpus`) cost time against stock vLLM's suffix server?
+"""One stream through a running cluster: does how the serving core is shared cost time against stock
+vLLM's suffix server?
 
-Per tune prompt three requests, order rotated: the cluster (`auto`) with the engine core and replica
-pinned as `specserve up` pins them (A), the same with both floating over every core (B), and a
+`affinity`: does pinning the n-gram pool's engine core and engine replica to the serving core
+(`ray.pin_serving_cpus`) cost time? `nice`: does the engine core wait for the serving path (Ray's
+proxy, the router, the engine replica's front end, Ray's daemons) on that core, so that giving it
+precedence (every other process of the machine but the model workers at nice 10) helps?
+
+Per tune prompt three requests, order rotated: the cluster (`auto`) as `specserve up` runs it (A),
+the same switched (B: floating, or reniced), and a
 stock-suffix server this script starts as `specserve bench` starts its anchors. The cluster's suffix
 trees forget earlier outputs before each of its requests (A and B see the same prompt). Stop the
 `specserve up` process's pinning pass first (`kill -STOP <pid>`; `kill -CONT` after): it would move
 B's processes back. Requests go through the bench's client (`cluster.client`), streamed. Every prompt warmed in every engine first; 1.2 s before each request.
 
-    .venv/bin/python docs/benchmarks/one-stream/affinity_ab.py 3 45
+    .venv/bin/python docs/benchmarks/one-stream/affinity_ab.py affinity 3 45
+    .venv/bin/python docs/benchmarks/one-stream/affinity_ab.py nice 3 45
 """
 import os
 import sys
@@ -51,8 +57,26 @@ def set_affinity(cpus: frozenset[int]) -> None:
                 pass
 
 
+ENGINE = ("VLLM::EngineCore", "VLLM::Worker")
+
+
+def set_niceness(level: int, stock_pids: set[int]) -> None:
+    """Every thread of every process but the engines' cores and workers (and the stock server's
+    processes) at nice `level` (per thread on Linux)."""
+    for p in psutil.process_iter(["cmdline", "pid"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if p.info["pid"] in stock_pids or any(e in cmd for e in ENGINE):
+            continue
+        try:
+            for t in p.threads():
+                os.setpriority(os.PRIO_PROCESS, t.id, level)
+        except (OSError, psutil.Error):
+            pass
+
+
 def main() -> None:
-    skip, n = int(sys.argv[1]), int(sys.argv[2])
+    mode, skip, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    assert mode in ("affinity", "nice"), mode
     config = load_config(str(ROOT / "cluster" / "configs" / "local-cpu.yaml"))
     pool_name, pool = A.choose_pool(config, None)
     all_cpus = frozenset(os.sched_getaffinity(0))
@@ -62,10 +86,13 @@ def main() -> None:
     stock = A.plan_servers(A.parse_baselines("suffix", pool, pool_name), pool, resolve_model(pool.model, config),
                            pool.model, config.models[pool.model].dtype, Path("/tmp/affinity_ab"))[0]
     stock.start()
+    stock_pids: set[int] = set()
     per: dict[str, list] = {"A": [], "B": [], "stock": []}
     mismatches = 0
     try:
         stock.wait_ready(900)
+        root = psutil.Process(stock.proc.pid)
+        stock_pids = {root.pid} | {c.pid for c in root.children(recursive=True)}
         prompts = keep(load_prompts(), "tune")[skip:skip + n]
         with SpecServeClient(CLUSTER) as cluster, SpecServeClient(stock.url) as stocks:
             def ask(v: str, text: str, max_tokens: int):
@@ -79,8 +106,11 @@ def main() -> None:
                 order = ["A", "B", "stock"][i % 3:] + ["A", "B", "stock"][:i % 3]
                 texts = set()
                 for v in reversed(order) if (i // 3) % 2 else order:
+                    if mode == "nice":
+                        set_niceness(10 if v == "B" else 0, stock_pids)
                     if v != "stock":
-                        set_affinity(pinned if v == "A" else all_cpus)
+                        if mode == "affinity":
+                            set_affinity(pinned if v == "A" else all_cpus)
                         httpx.post(CLUSTER + "/v1/specserve/forget_outputs", timeout=60).raise_for_status()
                     time.sleep(1.2)
                     r = ask(v, p.text, 128)
@@ -88,7 +118,7 @@ def main() -> None:
                     texts.add(r.text)
                 mismatches += len(texts) > 1
     finally:
-        set_affinity(pinned)
+        set_affinity(pinned) if mode == "affinity" else set_niceness(0, stock_pids)
         stock.stop()
     rates = {v: sum(k for k, _ in x) / sum(s for _, s in x) for v, x in per.items()}
     print(f"{len(per['A'])} prompts, greedy mismatches {mismatches}; tok/s", {v: round(r, 2) for v, r in rates.items()})

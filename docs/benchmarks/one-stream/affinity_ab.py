@@ -9,9 +9,12 @@ precedence (every other process of the machine but the model workers at nice 10)
 Per tune prompt three requests, order rotated: the cluster (`auto`) as `specserve up` runs it (A),
 the same switched (B: floating, or reniced), and a
 stock-suffix server this script starts as `specserve bench` starts its anchors. The cluster's suffix
-trees forget earlier outputs before each of its requests (A and B see the same prompt). Stop the
-`specserve up` process's pinning pass first (`kill -STOP <pid>`; `kill -CONT` after): it would move
-B's processes back. Requests go through the bench's client (`cluster.client`), streamed. Every prompt warmed in every engine first; 1.2 s before each request.
+trees forget earlier outputs before each of its requests (A and B see the same prompt). For
+`affinity`, stop the `specserve up` process's pinning pass first (`kill -STOP <pid>`; `kill -CONT`
+after): it would move B's processes back. `nice` renices every process of the machine but the
+engines and the stock server, and sets them back to 0 (not to what they were) at the end. Requests
+go through the bench's client (`cluster.client`), streamed. Every prompt warmed in every engine
+first; 1.2 s before each request.
 
     .venv/bin/python docs/benchmarks/one-stream/affinity_ab.py affinity 3 45
     .venv/bin/python docs/benchmarks/one-stream/affinity_ab.py nice 3 45
@@ -75,8 +78,9 @@ def set_niceness(level: int, stock_pids: set[int]) -> None:
 
 
 def main() -> None:
+    if len(sys.argv) != 4 or sys.argv[1] not in ("affinity", "nice"):
+        sys.exit("usage: affinity_ab.py affinity|nice SKIP N")
     mode, skip, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    assert mode in ("affinity", "nice"), mode
     config = load_config(str(ROOT / "cluster" / "configs" / "local-cpu.yaml"))
     pool_name, pool = A.choose_pool(config, None)
     all_cpus = frozenset(os.sched_getaffinity(0))
@@ -118,7 +122,10 @@ def main() -> None:
                     texts.add(r.text)
                 mismatches += len(texts) > 1
     finally:
-        set_affinity(pinned) if mode == "affinity" else set_niceness(0, stock_pids)
+        if mode == "affinity":
+            set_affinity(pinned)
+        else:
+            set_niceness(0, stock_pids)
         stock.stop()
     rates = {v: sum(k for k, _ in x) / sum(s for _, s in x) for v, x in per.items()}
     print(f"{len(per['A'])} prompts, greedy mismatches {mismatches}; tok/s", {v: round(r, 2) for v, r in rates.items()})

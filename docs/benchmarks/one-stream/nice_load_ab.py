@@ -1,0 +1,81 @@
+"""Under load through a running cluster: does giving the engine core precedence on the serving core
+(every process of the machine but the engine cores, the model workers and this script at nice 10,
+`affinity_ab.py nice`'s B) cost throughput when the serving path has STREAMS streams to relay?
+
+Per round, one slice of tune prompts goes twice at STREAMS closed-loop streams of MODE (`auto`, or
+`none` for plain decoding, which leaves the router's choices out of the comparison), once at
+nice 0 (A) and once at nice 10 (B), the order alternating by round; the cluster's suffix trees forget
+earlier outputs before each pass, and every prompt is warmed once (1 token) before the first round,
+so A and B see the same prefix cache. Each pass's throughput is its output tokens over its wall time;
+the ratio B / A is reported per round and as a mean with a t interval over rounds. The script's own
+process stays at nice 0 (a client is not on the serving machine in production).
+
+    .venv/bin/python docs/benchmarks/one-stream/nice_load_ab.py MODE STREAMS ROUNDS N_PER_ROUND SKIP
+    .venv/bin/python docs/benchmarks/one-stream/nice_load_ab.py auto 32 4 64 0
+    .venv/bin/python docs/benchmarks/one-stream/nice_load_ab.py none 32 6 64 0
+"""
+import asyncio
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT))
+from affinity_ab import CLUSTER, set_niceness  # noqa: E402  (this folder)
+from cluster.bench.plan import BenchConfig  # noqa: E402
+from cluster.bench.runner import Job, Runner  # noqa: E402
+from cluster.bench.split import keep  # noqa: E402
+from cluster.bench.workload import load_prompts  # noqa: E402
+from cluster.client import AsyncSpecServeClient  # noqa: E402
+
+CONFIGS = {"auto": BenchConfig("auto", None, None), "none": BenchConfig("none", "none", None)}
+T95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36}  # two-sided t, n-1 degrees of freedom
+
+
+async def one_pass(runner: Runner, config: BenchConfig, prompts: list, streams: int) -> tuple[int, float]:
+    jobs = [Job("load", config, p, concurrency=streams) for p in prompts]
+    t = time.perf_counter()
+    samples = await runner.run_closed_loop(jobs, streams)
+    wall = time.perf_counter() - t
+    failed = [s for s in samples if not s.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0].error}")
+    return sum(len(s.token_ids) for s in samples), wall
+
+
+async def main() -> None:
+    if len(sys.argv) != 6 or sys.argv[1] not in CONFIGS:
+        sys.exit("usage: nice_load_ab.py auto|none STREAMS ROUNDS N_PER_ROUND SKIP")
+    config = CONFIGS[sys.argv[1]]
+    streams, rounds, n, skip = map(int, sys.argv[2:])
+    prompts = keep(load_prompts(), "tune")
+    slices = [[prompts[(skip + r * n + i) % len(prompts)] for i in range(n)] for r in range(rounds)]
+    mine = {os.getpid()}
+    ratios = []
+    async with AsyncSpecServeClient(CLUSTER) as client:
+        runner = Runner(client, model=None, max_tokens=128)
+        await runner.run_closed_loop([Job("warm", config, p, max_tokens=1) for s in slices for p in s], streams)
+        try:
+            for r, chunk in enumerate(slices):
+                rate = {}
+                for v in ("AB" if r % 2 == 0 else "BA"):
+                    set_niceness(10 if v == "B" else 0, mine)
+                    httpx.post(CLUSTER + "/v1/specserve/forget_outputs", timeout=60).raise_for_status()
+                    await asyncio.sleep(1.2)
+                    tokens, wall = await one_pass(runner, config, chunk, streams)
+                    rate[v] = tokens / wall
+                ratios.append(rate["B"] / rate["A"])
+                print(f"round {r}: A {rate['A']:.1f} tok/s, B {rate['B']:.1f} tok/s, B / A {ratios[-1]:.3f}", flush=True)
+        finally:
+            set_niceness(0, mine)
+    mean = statistics.mean(ratios)
+    half = T95.get(len(ratios), 2.0) * statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
+    print(f"{config.name}, {streams} streams, {rounds} rounds of {n}: B / A {mean:.3f} ({mean - half:.3f}-{mean + half:.3f})")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

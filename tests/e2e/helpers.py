@@ -42,9 +42,10 @@ async def chat(client: httpx.AsyncClient, url: str, text: str, max_tokens: int =
 
 
 async def chat_all(url: str, prompts: list[dict], spec: dict | None, max_tokens: int = 32, concurrency: int = 16,
-                   **extra) -> list[dict]:
-    """`chat` for every prompt (dev_prompts' dicts), at most `concurrency` in flight, in prompt order."""
-    sem = asyncio.Semaphore(concurrency)
+                   sem: asyncio.Semaphore | None = None, **extra) -> list[dict]:
+    """`chat` for every prompt (dev_prompts' dicts), at most `concurrency` in flight (or as many as
+    `sem`, shared between calls, lets through), in prompt order."""
+    sem = sem or asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient() as client:
         async def one(p):
             async with sem:

@@ -32,8 +32,8 @@ from cluster.bench.phases import PhaseRun, estimate, log, print_estimate, run_ph
 from cluster.bench.report import build_summary, git_short_rev, render_markdown, results_dir, write_results
 from cluster.bench.runner import SETTLE_S
 from cluster.bench.split import ALL, SPLITS, keep
-from cluster.bench.workload import (DEFAULT_PROMPTS_PATH, Prompt, interleave_tasks, load_prompts, select,
-                                    select_per_repeat)
+from cluster.bench.workload import (DEFAULT_PROMPTS_PATH, Prompt, interleave_tasks, load_prompt_pool, load_prompts,
+                                    select, select_per_repeat)
 from cluster.client import DEFAULT_URL, ClientError, SpecServeClient
 from cluster.config import load_config
 from cluster.ops.models import resolve_model
@@ -248,14 +248,16 @@ def _print_plan(run_: PhaseRun, args, baselines: list[A.Baseline], pool_name: Op
     if baselines:
         log(f"bench: baselines (stock vLLM" + (f", started like pool {pool_name}'s engine" if pool_name else "")
             + "): " + "; ".join(b.describe() for b in baselines))
+    sends = P.sweep_starts(levels, len(prompts), args.sweep_rounds, args.sweep_requests)[-1] \
+        + len(run_.arrivals) * args.trace_rounds
+    if sends:
+        log(f"bench: the load phases send {sends} prompts, {min(sends, len(run_.sweep_prompts))} distinct, none of "
+            f"the comparisons' where the prompts allow" + ("" if len(run_.sweep_prompts) >= sends else
+                                                         " (too few for every phase its own: some come round again)"))
     if run_.arrivals:
         shape = T.schedule_shape(run_.arrivals)
-        sent = len({a.prompt.question_id for r in range(args.trace_rounds)
-                    for a in T.round_schedule(run_.arrivals, run_.sweep_prompts, r)})
         log(f"bench: trace {trace_source}: {shape['arrivals']} arrivals over {shape['span_s']:.0f} s (mean "
-            f"{shape['mean_rate_rps']:.3f} req/s), replayed in {args.trace_rounds} rounds by the sweep configurations, "
-            f"{sent} distinct prompts" + ("" if sent >= shape["arrivals"] * args.trace_rounds else
-                                          " (too few for every round's own: some come round again)"))
+            f"{shape['mean_rate_rps']:.3f} req/s), replayed in {args.trace_rounds} rounds by the sweep configurations")
     print_estimate(f"bench: estimate at {args.assumed_tokens_per_s:g} tok/s one stream",
                    estimate(run_, args.assumed_tokens_per_s, n_started))
 
@@ -302,9 +304,11 @@ def run(args: argparse.Namespace) -> int:
     # 4. Plan and estimate. The load phases' prompts: fresh ones for every round where the file has
     # enough, tasks round-robin so that every phase (the next n of the cycled list) holds every task.
     n_tasks = len({p.task for p in prompts})
-    need = max([P.sweep_requests(c, len(prompts), per_phase=args.sweep_requests) * args.sweep_rounds
-                for c in levels if c > 1] + [args.max_requests if args.rate else 0, len(offsets) * args.trace_rounds])
-    sweep_prompts = interleave_tasks(select(prompts_all, max(1, math.ceil(need / max(n_tasks, 1))), args.seed + 1,
+    need = max(P.sweep_starts(levels, len(prompts), args.sweep_rounds, args.sweep_requests)[-1]
+               + len(offsets) * args.trace_rounds, args.max_requests if args.rate else 0)
+    compared = [p for draw in (draws or [prompts]) for p in draw]
+    sweep_prompts = interleave_tasks(select(load_prompt_pool(prompts_all, compared),
+                                            max(1, math.ceil(need / max(n_tasks, 1))), args.seed + 1,
                                             tasks, args.max_prompt_chars)) if need else []
     shape = P.PlanShape(
         n_compare_configs=len(configs), n_prompts=len(prompts), max_tokens=args.max_tokens,

@@ -202,12 +202,14 @@ async def _measure(run: PhaseRun, runner: Runner, send, warm, bar) -> None:
 
     # 5. Closed-loop sweep in rounds: every configuration one phase per round, the order rotated and
     # reversed from round to round (and shifted per level); within a round all configurations get the
-    # same prompts, warmed in every engine just before; each round the next ones; `repeat` is the round.
+    # same prompts, warmed in every engine just before; each round and level the next ones (`starts`);
+    # `repeat` is the round.
     sweep_cfgs = P.expand_configs(run.sweep_spec, configs, best, run.max_k)
+    starts = P.sweep_starts(run.levels, len(prompts), args.sweep_rounds, args.sweep_requests)
     for li, c in enumerate(lv for lv in run.levels if lv > 1):
         n = P.sweep_requests(c, len(prompts), per_phase=args.sweep_requests)
         for r, order in enumerate(P.sweep_round_orders(len(sweep_cfgs), args.sweep_rounds, shift=li)):
-            phase_prompts = round_prompts(run.sweep_prompts, n, r)
+            phase_prompts = round_prompts(run.sweep_prompts, n, r, start=starts[li])
             await warm(sweep_cfgs, phase_prompts)
             for cfg in (sweep_cfgs[i] for i in order):
                 await forget(runner, cfg, args)
@@ -218,7 +220,7 @@ async def _measure(run: PhaseRun, runner: Runner, send, warm, bar) -> None:
     if run.arrivals:
         offsets = [a.offset_s for a in run.arrivals]
         for r, order in enumerate(P.sweep_round_orders(len(sweep_cfgs), args.trace_rounds)):
-            arrivals = round_schedule(run.arrivals, run.sweep_prompts, r)
+            arrivals = round_schedule(run.arrivals, run.sweep_prompts, r, start=starts[-1])
             await warm(sweep_cfgs, [a.prompt for a in arrivals])
             for cfg in (sweep_cfgs[i] for i in order):
                 await forget(runner, cfg, args)

@@ -240,6 +240,22 @@ def sweep_requests(concurrency: int, n_prompts: int, min_per_stream: int = 2,
     return max(per_phase or n_prompts, min_per_stream * concurrency)
 
 
+def sweep_starts(levels: list[int], n_prompts: int, rounds: int, per_phase: Optional[int] = None) -> list[int]:
+    """Where in the load prompts each load level's rounds start, and (last) where the trace's do: one
+    level after another, so no phase of a run resends a prompt an earlier phase sent while the
+    prompts last (a stock suffix server remembers its answers across requests and phases).
+
+    >>> sweep_starts([1, 4, 16], 10, 3)   # 10 a phase at 4 streams, 32 at 16; the trace from 126
+    [0, 30, 126]
+    >>> sweep_starts([1], 10, 3)
+    [0]
+    """
+    starts = [0]
+    for c in (c for c in levels if c > 1):
+        starts.append(starts[-1] + sweep_requests(c, n_prompts, per_phase=per_phase) * rounds)
+    return starts
+
+
 def sweep_round_orders(n_configs: int, rounds: int, shift: int = 0) -> list[list[int]]:
     """Configuration indices of each round of one load level, in run order.
 

@@ -233,18 +233,19 @@ def build_schedule(offsets: list[float], prompts: list[Prompt], max_tokens: int,
             for i, (t, g) in enumerate(zip(offsets, gen))]
 
 
-def round_schedule(arrivals: list[Arrival], prompts: list[Prompt], round_: int) -> list[Arrival]:
+def round_schedule(arrivals: list[Arrival], prompts: list[Prompt], round_: int, start: int = 0) -> list[Arrival]:
     """The schedule of replay round `round_`: the same arrival times and max_tokens, the prompts that
-    follow the previous rounds' in `prompts` (cycled), so no round resends an earlier round's prompt
-    while `prompts` lasts. A server that remembers its answers across requests (stock suffix
-    decoding) would otherwise draft later rounds from its own earlier ones. Round 0 is `build_schedule`'s.
+    follow the previous rounds' in `prompts` from `start` (after the load sweep's; cycled), so no round
+    resends an earlier round's or the sweep's prompt while `prompts` lasts. A server that remembers its
+    answers across requests (stock suffix decoding) would otherwise draft later rounds from its own
+    earlier ones. Round 0 at start 0 is `build_schedule`'s.
 
     >>> p = [Prompt(c, "qa", "qa", c) for c in "abcde"]
     >>> s = build_schedule([0.0, 1.0], p, 8)
     >>> [[a.prompt.question_id for a in round_schedule(s, p, r)] for r in range(3)]
     [['a', 'b'], ['c', 'd'], ['e', 'a']]
     """
-    return [replace(a, prompt=p) for a, p in zip(arrivals, round_prompts(prompts, len(arrivals), round_))]
+    return [replace(a, prompt=p) for a, p in zip(arrivals, round_prompts(prompts, len(arrivals), round_, start))]
 
 
 def schedule_shape(arrivals: list[Arrival]) -> dict:

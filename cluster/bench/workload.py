@@ -145,12 +145,29 @@ def interleave_tasks(prompts: list[Prompt]) -> list[Prompt]:
     return [g[i] for i in range(max((len(g) for g in groups), default=0)) for g in groups if i < len(g)]
 
 
-def round_prompts(prompts: list[Prompt], n: int, round_: int) -> list[Prompt]:
-    """Round `round_`'s n prompts: the n after the previous rounds' in `prompts`, cycled, so rounds
-    share no prompt while `prompts` lasts (the load sweep's rounds and the trace replay's).
+def round_prompts(prompts: list[Prompt], n: int, round_: int, start: int = 0) -> list[Prompt]:
+    """Round `round_`'s n prompts: the n after the previous rounds' in `prompts`, from `start` (where
+    this series of rounds begins), cycled, so rounds share no prompt while `prompts` lasts (the load
+    sweep's rounds and the trace replay's).
 
     >>> p = [Prompt(c, "qa", "qa", c) for c in "abcde"]
     >>> [[x.question_id for x in round_prompts(p, 2, r)] for r in range(3)]
     [['a', 'b'], ['c', 'd'], ['e', 'a']]
+    >>> [x.question_id for x in round_prompts(p, 2, 0, start=3)]
+    ['d', 'e']
     """
-    return [prompts[(round_ * n + i) % len(prompts)] for i in range(n)]
+    return [prompts[(start + round_ * n + i) % len(prompts)] for i in range(n)]
+
+
+def load_prompt_pool(prompts_all: list[Prompt], compared: list[Prompt]) -> list[Prompt]:
+    """The prompts the load phases draw from: those the one-stream comparisons do not send, when any
+    are left. A stock suffix server cannot forget: a load phase that resent a compared prompt would
+    meet its own earlier answer there, drafted whole, while the cluster's trees forget before each
+    phase.
+
+    >>> p = [Prompt(c, "qa", "qa", c) for c in "abc"]
+    >>> [x.question_id for x in load_prompt_pool(p, p[:1])], len(load_prompt_pool(p, p))
+    (['b', 'c'], 3)
+    """
+    sent = {c.text for c in compared}
+    return [p for p in prompts_all if p.text not in sent] or prompts_all

@@ -32,7 +32,7 @@ def test_baseline_in_every_phase_with_a_trace(tmp_path, capsys):
     with FakeServer(prefill_s=0.005, step_s=0.002) as cluster, \
             FakeServer(prefill_s=0.005, step_s=0.003, stock=True) as stock:
         code = run_cli(["--url", cluster.url, "--results-dir", str(tmp_path), "--quick", "--max-tokens", "6",
-                        "--prompts-per-task", "1", "--tasks", "qa,rag", "--concurrency", "1,2",
+                        "--prompts-per-task", "1", "--tasks", "qa,rag", "--concurrency", "1,2,3",
                         "--configs", "none,ngram:2,auto", "--baseline-url", f"stock-none={stock.url}",
                         "--trace", "10:0.6,0:0.3,10:0.6", "--trace-rounds", "2", "--seed", "3", "--no-plots",
                         "--slo-latency-s", "5"])
@@ -67,11 +67,13 @@ def test_baseline_in_every_phase_with_a_trace(tmp_path, capsys):
                 assert all((content(b), m) in warmed for m in modes), content(b)[:40]
                 assert not content(b).startswith("[")
 
-    # The closed-loop level: the sweep's default configurations plus the baseline, in rounds.
+    # The closed-loop levels: the sweep's default configurations plus the baseline, in rounds.
     sweep = [s for s in measured if s.phase == "sweep"]
-    assert {s.config for s in sweep} == {"none", "ngram:2", "auto", "stock-none"} and {s.concurrency for s in sweep} == {2}
-    for r in (0, 1):
-        prompts = {c: sorted(s.prompt_id for s in sweep if s.repeat == r and s.config == c) for c in meta["configs"]}
+    assert {s.config for s in sweep} == {"none", "ngram:2", "auto", "stock-none"}
+    assert {s.concurrency for s in sweep} == {2, 3}
+    for c, r in ((2, 0), (2, 1), (3, 0), (3, 1)):
+        prompts = {cfg: sorted(s.prompt_id for s in sweep if (s.concurrency, s.repeat, s.config) == (c, r, cfg))
+                   for cfg in meta["configs"]}
         assert len({tuple(p) for p in prompts.values()}) == 1  # the same prompts for every configuration
 
     # The trace: the same schedule (arrival, prompt, max_tokens) for every configuration of a round,
@@ -85,6 +87,15 @@ def test_baseline_in_every_phase_with_a_trace(tmp_path, capsys):
         assert len(first) >= 4 and all(v == first for (_, r2), v in schedule.items() if r2 == r)
         assert [a for a, _, _ in first] == list(range(len(first)))
     assert not {p for _, p, _ in schedule[("auto", 0)]} & {p for _, p, _ in schedule[("auto", 1)]}
+    # Nor does any load phase (a level's round, a trace round) resend a prompt the comparisons or
+    # another phase sent: the stock server cannot forget answers as the cluster's trees do.
+    compared = {s.prompt_id for s in measured if s.phase == "compare"}
+    phases: dict = {}
+    for s in measured:
+        if s.phase in ("sweep", "trace") and s.config == "stock-none":
+            phases.setdefault((s.phase, s.concurrency, s.repeat), set()).add(s.prompt_id)
+    assert len(phases) == 2 * 2 + 2 and not compared & set().union(*phases.values())
+    assert sum(map(len, phases.values())) == len(set().union(*phases.values()))
     summary = json.loads((folder / "summary.json").read_text())
     order = summary["trace"]["order"]
     assert sorted(order[0]) == sorted(meta["configs"]) and order[1] == order[0][::-1]
@@ -100,7 +111,7 @@ def test_baseline_in_every_phase_with_a_trace(tmp_path, capsys):
     v = summary["anchor_verdicts"]
     assert v["one_stream"]["vs_best_anchor"]["config"] == "stock-none"
     assert v["load"]["2"]["vs_best_anchor"]["config"] == "stock-none"
-    assert v["load"]["2"]["vs_best_anchor"]["units"] == len([s for s in sweep if s.config == "auto"])
+    assert v["load"]["2"]["vs_best_anchor"]["units"] == len([s for s in sweep if (s.config, s.concurrency) == ("auto", 2)])
     assert set(summary["trace"]["configs"]) == set(meta["configs"])
     t = summary["trace"]["configs"]["stock-none"]
     assert t["requests"] == 2 * len(first) and t["failures"] == 0 and t["good_requests"] == t["requests"]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import sys
 import time
 from pathlib import Path
@@ -303,13 +302,12 @@ def run(args: argparse.Namespace) -> int:
 
     # 4. Plan and estimate. The load phases' prompts: fresh ones for every round where the file has
     # enough, tasks round-robin so that every phase (the next n of the cycled list) holds every task.
-    n_tasks = len({p.task for p in prompts})
     need = max(P.sweep_starts(levels, len(prompts), args.sweep_rounds, args.sweep_requests)[-1]
                + len(offsets) * args.trace_rounds, args.max_requests if args.rate else 0)
-    compared = [p for draw in (draws or [prompts]) for p in draw]
-    sweep_prompts = interleave_tasks(select(load_prompt_pool(prompts_all, compared),
-                                            max(1, math.ceil(need / max(n_tasks, 1))), args.seed + 1,
-                                            tasks, args.max_prompt_chars)) if need else []
+    # Every prompt of each task, in a seeded order, tasks round-robin, the first `need`: a task with
+    # fewer leaves its turns to the others, so the phases get as many distinct prompts as there are.
+    unsent = load_prompt_pool(prompts_all, [p for draw in (draws or [prompts]) for p in draw])
+    sweep_prompts = interleave_tasks(select(unsent, len(unsent), args.seed + 1, tasks, args.max_prompt_chars))[:need]
     shape = P.PlanShape(
         n_compare_configs=len(configs), n_prompts=len(prompts), max_tokens=args.max_tokens,
         greedy_repeats=args.repeats if 0 in temperatures else 0,

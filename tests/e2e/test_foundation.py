@@ -67,9 +67,10 @@ def test_greedy_output_identical_with_speculation_on_and_off(cluster):
 
     async def run_all():
         base = await chat_all(cluster.http_url, prompts, {"mode": "none"}, MAX_TOKENS, logprobs=True, top_logprobs=2)
-        # Every configuration in flight together, 32 requests at most in all: 4 per configuration (100
-        # at once, 84 of them on the n-gram pool) queued one past router.first_token_timeout_s on the
-        # loaded 2-core CI machine, which tests the burst, not losslessness.
+        # 32 requests in flight at most, taken in configuration order, so neighbouring configurations
+        # share the engines' batches: 4 per configuration at once (100, 84 of them on the n-gram pool)
+        # queued one past router.first_token_timeout_s on the loaded 2-core CI machine, which tests the
+        # burst, not losslessness.
         sem = asyncio.Semaphore(32)
         runs = await asyncio.gather(*[chat_all(cluster.http_url, prompts, c, MAX_TOKENS, sem=sem) for c in configs])
         return base, runs

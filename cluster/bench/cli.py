@@ -79,9 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "the same for every configuration), so that a drafter that remembers earlier outputs (suffix) does not "
            "meet its own answer to the same prompt again. Needs repeats x --prompts-per-task prompts per task.")
     a("--keep-outputs", action="store_true",
-      help="Do not ask the cluster's suffix trees to forget earlier outputs before each load phase and trace "
-           "round (by default they do: those phases reuse prompts, and a tree that holds a prompt's answer "
-           "drafts it whole).")
+      help="Never ask the cluster's suffix trees to forget earlier outputs. By default they forget before a "
+           "load phase or trace round only when another cluster configuration answered since (it got the same "
+           "prompts) or the prompts come round again: a tree that holds a prompt's answer drafts it whole. "
+           "Otherwise they keep what they served, as a stock suffix server does.")
     a("--sampled-repeats", type=int, default=None, help="Repeats of each sampled comparison (1).")
     a("--settle-s", type=float, default=SETTLE_S,
       help=f"Quiet before each one-stream request ({SETTLE_S:g}): a vLLM engine's worker and engine core "
@@ -282,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
     if model is None:
         log(f"bench: model {args.model!r} not served; served: {[m.id for m in models]}")
         return 2
-    max_k = P.mode_max_k(model.pools) if model.pools else None
+    max_k = P.mode_max_k(model.pools, by_mode=True) if model.pools else None
 
     # 2. Configurations: the cluster's, then the baselines; 3. the trace's arrival offsets.
     try:

@@ -8,8 +8,9 @@ send, decided by `cluster.bench.cli`) and appends one `Sample` per request to `r
 3. Greedy comparison at one stream, interleaved and repeated (cluster configurations and baselines);
    with `repeat_prompts` (--fresh-per-repeat) repeat r sends its own draw, and 2. ran all the draws.
 4. Sampled comparison (its repeat r sends the same draw as the greedy repeat r).
-5. Closed-loop sweep in rounds (`plan.sweep_round_orders`); before each cluster phase the suffix
-   trees forget earlier outputs (`forget`: load phases reuse prompts); before each round its prompts go once
+5. Closed-loop sweep in rounds (`plan.sweep_round_orders`); before a cluster phase the suffix
+   trees forget earlier outputs when another cluster configuration answered since or the prompts come
+   round again (`must_forget`), and keep them otherwise; before each round its prompts go once
    through every engine the sweep's configurations reach. Every configuration then finds the same
    prompts in its engine's prefix cache: the prefix cache matches full blocks of a request's own
    prompt only, identical for every configuration, so none gets a prefill another one paid for,
@@ -131,19 +132,42 @@ async def run_phases(run: PhaseRun) -> None:
 STATELESS_STOCK = ("stock-none", "stock-table", "stock-ngram:")
 
 
-async def forget(runner: Runner, cfg: P.BenchConfig, args) -> None:
+def must_forget(cfg: P.BenchConfig, answered: set[str], prompts_repeat: bool) -> bool:
+    """Whether the cluster's suffix trees must forget before `cfg`'s next load phase or trace round.
+
+    The trees of a pool are shared by every cluster configuration it serves, and within a round every
+    configuration gets the same prompts: after another cluster configuration (`answered`: the ones
+    since the last forget) answered them, its greedy answers would draft them whole. Where the prompts
+    come round again (`prompts_repeat`), a tree would meet its own answer. Otherwise the trees keep
+    what they served, as in production and as a stock suffix server does (it cannot forget).
+
+    >>> auto = P.BenchConfig("auto", None, None)
+    >>> [must_forget(auto, a, r) for a, r in ((set(), False), ({"auto"}, False), ({"suffix:16"}, False),
+    ...                                       ({"auto"}, True))]
+    [False, False, True, True]
+    >>> must_forget(P.baseline_config("stock-suffix"), {"auto"}, True)
+    False
+    """
+    if cfg.baseline:
+        return False
+    return prompts_repeat or bool(answered - {cfg.name})
+
+
+async def forget(runner: Runner, cfg: P.BenchConfig, args, answered: set[str], prompts_repeat: bool) -> None:
     """Before a load phase of a cluster configuration: its suffix trees drop what earlier phases
-    served (`POST /v1/specserve/forget_outputs`), since the load phases reuse prompts across levels
-    and rounds and a tree that holds a prompt's answer drafts it whole. Stock servers keep theirs
-    (stock-suffix cannot forget: its load rows are not unseen prompts). `--keep-outputs` skips it."""
-    if cfg.baseline or getattr(args, "keep_outputs", False):
+    served (`POST /v1/specserve/forget_outputs`) when `must_forget` says so; `answered` is updated.
+    `--keep-outputs` never forgets."""
+    if cfg.baseline:
         return
-    try:
-        out = await runner.client.forget_outputs()
-        log(f"bench: {cfg.name}: suffix trees forgot " + ", ".join(
-            f"{n}: {p.get('forgotten', p.get('error'))}" for n, p in out.get("pools", {}).items()))
-    except Exception as e:  # noqa: BLE001 - an older cluster has no such route: measure anyway, say so
-        log(f"bench: {cfg.name}: could not make the suffix trees forget ({type(e).__name__}: {e})")
+    if not getattr(args, "keep_outputs", False) and must_forget(cfg, answered, prompts_repeat):
+        answered.clear()
+        try:
+            out = await runner.client.forget_outputs()
+            log(f"bench: {cfg.name}: suffix trees forgot " + ", ".join(
+                f"{n}: {p.get('forgotten', p.get('error'))}" for n, p in out.get("pools", {}).items()))
+        except Exception as e:  # noqa: BLE001 - an older cluster has no such route: measure anyway, say so
+            log(f"bench: {cfg.name}: could not make the suffix trees forget ({type(e).__name__}: {e})")
+    answered.add(cfg.name)
 
 
 def reference_config(stock_urls) -> P.BenchConfig:
@@ -167,25 +191,36 @@ async def _measure(run: PhaseRun, runner: Runner, send, warm, bar) -> None:
 
     # 2. Warm-up (excluded): the reference with top-2 logprobs, every prompt in every engine, one
     # request per configuration.
-    await runner.run_sequential([Job("reference", reference_config(run.stock_urls), p, logprobs=2)
-                                 for p in run.all_compared])
+    ref_cfg = reference_config(run.stock_urls)
+    await runner.run_sequential([Job("reference", ref_cfg, p, logprobs=2) for p in run.all_compared])
+    # cluster configurations whose answers the suffix trees hold (`forget`); a reference through the
+    # cluster answered every compared prompt
+    answered: set[str] = set() if ref_cfg.baseline else {"reference"}
     ref = [s for s in samples if s.phase == "reference" and s.ok]
     lat = sum(s.latency_s or 0 for s in ref)
     tps1 = sum(s.output_tokens for s in ref) / lat if lat else args.assumed_tokens_per_s
     await warm(configs, run.all_compared)
     await runner.run_sequential([Job("warmup", c, prompts[i % len(prompts)], max_tokens=8)
                                  for i, c in enumerate(configs)])
+    if any(not c.baseline for c in configs):
+        answered.add("warmup")  # the first tokens of some compared prompts' answers
     bar.clear()
     print_estimate(f"bench: measured {tps1:.1f} tok/s one stream (reference); estimate now",
                    estimate(run, max(tps1, 0.1)))
 
     # 3. Greedy comparison, one stream, interleaved and repeated.
-    async def compare(cfgs: list[P.BenchConfig], temp: float, repeats: int) -> None:
+    async def compare(cfgs: list[P.BenchConfig], temp: float, repeats: int, sent_before: bool = False) -> None:
         order = P.interleaved_order(len(cfgs), len(prompts), repeats)
         bar.total += len(order) if temp > 0 else 0
         jobs = [Job("compare", cfgs[ci], run.compared(r)[pi], temperature=temp, repeat=r,
                     seed=None if temp == 0 else args.seed * 100003 + r * 1009 + pi) for r, pi, ci in order]
-        await runner.run_sequential(jobs, settle_s=args.settle_s)
+        # every configuration answers a prompt back to back: a cluster one after another cluster one
+        # (or after itself, where repeats or an earlier comparison sent the prompts) would find that
+        # answer in the trees
+        again = sent_before or (repeats > 1 and not run.repeat_prompts)
+        for job in jobs:
+            await forget(runner, job.config, args, answered, again)
+            await runner.run_sequential([job], settle_s=args.settle_s)
 
     if 0 in run.temperatures:
         await compare(configs, 0.0, args.repeats)
@@ -198,7 +233,7 @@ async def _measure(run: PhaseRun, runner: Runner, send, warm, bar) -> None:
     # 4. Sampled comparison.
     sampled_cfgs = P.expand_configs(args.sampled_configs, configs, best, run.max_k)
     for temp in (t for t in run.temperatures if t > 0):
-        await compare(sampled_cfgs, temp, args.sampled_repeats)
+        await compare(sampled_cfgs, temp, args.sampled_repeats, sent_before=0 in run.temperatures)
 
     # 5. Closed-loop sweep in rounds: every configuration one phase per round, the order rotated and
     # reversed from round to round (and shifted per level); within a round all configurations get the
@@ -206,13 +241,16 @@ async def _measure(run: PhaseRun, runner: Runner, send, warm, bar) -> None:
     # `repeat` is the round.
     sweep_cfgs = P.expand_configs(run.sweep_spec, configs, best, run.max_k)
     starts = P.sweep_starts(run.levels, len(prompts), args.sweep_rounds, args.sweep_requests)
+    compared = {p.text for p in run.all_compared}
+    repeat = (starts[-1] + len(run.arrivals) * args.trace_rounds > len(run.sweep_prompts)
+              or any(p.text in compared for p in run.sweep_prompts))
     for li, c in enumerate(lv for lv in run.levels if lv > 1):
         n = P.sweep_requests(c, len(prompts), per_phase=args.sweep_requests)
         for r, order in enumerate(P.sweep_round_orders(len(sweep_cfgs), args.sweep_rounds, shift=li)):
             phase_prompts = round_prompts(run.sweep_prompts, n, r, start=starts[li])
             await warm(sweep_cfgs, phase_prompts)
             for cfg in (sweep_cfgs[i] for i in order):
-                await forget(runner, cfg, args)
+                await forget(runner, cfg, args, answered, repeat)
                 await send([Job("sweep", cfg, p, concurrency=c, repeat=r) for p in phase_prompts], c)
 
     # 6. Trace replay: the schedule, identical for every configuration, in rounds ordered like the sweep's;
@@ -223,7 +261,7 @@ async def _measure(run: PhaseRun, runner: Runner, send, warm, bar) -> None:
             arrivals = round_schedule(run.arrivals, run.sweep_prompts, r, start=starts[-1])
             await warm(sweep_cfgs, [a.prompt for a in arrivals])
             for cfg in (sweep_cfgs[i] for i in order):
-                await forget(runner, cfg, args)
+                await forget(runner, cfg, args, answered, repeat)
                 bar.total += len(offsets)
                 log(f"bench: trace round {r}: {cfg.name}, {len(offsets)} arrivals over {offsets[-1]:.0f} s")
                 await runner.run_schedule(trace_jobs(arrivals, cfg, r), offsets)

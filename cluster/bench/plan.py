@@ -53,13 +53,17 @@ def baseline_config(name: str) -> BenchConfig:
     return BenchConfig(name, None, None, baseline=True)
 
 
-def mode_max_k(pools: list[dict]) -> dict[str, int]:
-    """mode -> the largest K any pool serves it with (0 for none), from /v1/models pools."""
+def mode_max_k(pools: list[dict], by_mode: bool = False) -> dict[str, int]:
+    """mode -> the largest K any pool serves it with (0 for none), from /v1/models pools: the pool's
+    `max_k`, or with `by_mode` its `max_k_by_mode` entry where it lists one (a suffix pool drafts up
+    to 16 though its `max_k` is 6: what the server accepts; the default configuration lists stay at
+    `max_k`)."""
     out: dict[str, int] = {}
     for pool in pools:
         modes = pool.get("modes") or [pool.get("method", NONE)]
+        by = (pool.get("max_k_by_mode") or {}) if by_mode else {}
         for mode in modes:
-            k = 0 if mode == NONE else int(pool.get("max_k") or 0)
+            k = 0 if mode == NONE else int(by.get(mode) or pool.get("max_k") or 0)
             out[mode] = max(out.get(mode, 0), k)
     return out
 

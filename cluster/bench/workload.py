@@ -162,8 +162,8 @@ def round_prompts(prompts: list[Prompt], n: int, round_: int, start: int = 0) ->
 def load_prompt_pool(prompts_all: list[Prompt], compared: list[Prompt]) -> list[Prompt]:
     """The prompts the load phases draw from: those the one-stream comparisons do not send, when any
     are left. A stock suffix server cannot forget: a load phase that resent a compared prompt would
-    meet its own earlier answer there, drafted whole, while the cluster's trees forget before each
-    phase.
+    meet its own earlier answer there, drafted whole (the cluster's trees keep theirs too unless
+    prompts come round again: `phases.must_forget`).
 
     >>> p = [Prompt(c, "qa", "qa", c) for c in "abc"]
     >>> [x.question_id for x in load_prompt_pool(p, p[:1])], len(load_prompt_pool(p, p))

@@ -24,6 +24,21 @@ def test_discover_configs_local_cpu_pools():
     assert names(P.quick_configs(POOLS)) == ["none", "ngram:3", "draft_model:2", "auto"]
 
 
+def test_mode_max_k_by_mode_lets_suffix_k_past_the_pool_max_k_but_keeps_the_default_lists():
+    pools = [{"name": "ngram", "method": "ngram", "max_k": 6, "modes": ["ngram", "suffix", "none"],
+              "max_k_by_mode": {"ngram": 6, "suffix": 16, "none": 0}}]
+    assert P.mode_max_k(pools) == {"ngram": 6, "suffix": 6, "none": 0}
+    served = P.mode_max_k(pools, by_mode=True)
+    assert served == {"ngram": 6, "suffix": 16, "none": 0}
+    assert names(P.parse_configs("suffix:16", served)) == ["suffix:16"]
+    with pytest.raises(ValueError):
+        P.parse_configs("suffix:17", served)
+    with pytest.raises(ValueError):
+        P.parse_configs("ngram:7", served)
+    assert names(P.discover_configs(pools))[-2] == "suffix:6"
+    assert P.mode_max_k(POOLS, by_mode=True) == P.mode_max_k(POOLS)  # pools that list no max_k_by_mode
+
+
 def test_parse_configs_and_overrides():
     max_k = P.mode_max_k(POOLS)
     cfgs = P.parse_configs("none,ngram:2,ngram:4,draft_model:2,auto,ngram:2", max_k)

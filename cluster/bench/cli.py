@@ -83,6 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "load phase or trace round only when another cluster configuration answered since (it got the same "
            "prompts) or the prompts come round again: a tree that holds a prompt's answer drafts it whole. "
            "Otherwise they keep what they served, as a stock suffix server does.")
+    a("--forget-outputs", action="store_true",
+      help="Ask the cluster's suffix trees to forget before every load phase and trace round of a cluster "
+           "configuration, even where they hold only that configuration's answers to other prompts (a stock "
+           "suffix server keeps those).")
     a("--sampled-repeats", type=int, default=None, help="Repeats of each sampled comparison (1).")
     a("--settle-s", type=float, default=SETTLE_S,
       help=f"Quiet before each one-stream request ({SETTLE_S:g}): a vLLM engine's worker and engine core "

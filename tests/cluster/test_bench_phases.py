@@ -34,6 +34,16 @@ def test_cluster_phases_forget_after_another_cluster_config_stock_ones_and_keep_
     assert _run(auto, answered={"auto"}, repeat=True) == 1  # prompts come round again
 
 
+def test_forget_outputs_forgets_before_every_cluster_phase_and_keep_outputs_wins():
+    auto, client, answered = P.BenchConfig("auto", None, None), _Client(), {"auto"}
+    asyncio.run(forget(SimpleNamespace(client=client), auto, SimpleNamespace(keep_outputs=False), answered, False,
+                       always=True))
+    assert client.calls == 1 and answered == {"auto"}
+    asyncio.run(forget(SimpleNamespace(client=client), auto, SimpleNamespace(keep_outputs=True), answered, False,
+                       always=True))
+    assert client.calls == 1
+
+
 def test_answered_tracks_what_the_trees_hold_across_a_round():
     auto, fixed, stock = P.BenchConfig("auto", None, None), P.BenchConfig("suffix:16", "suffix", 16), \
         P.baseline_config("stock-suffix")

@@ -40,6 +40,9 @@ from cluster.ops.cpu_pinning import Proc, reserved_cpus  # noqa: E402
 from cluster.ops.models import resolve_model  # noqa: E402
 
 CLUSTER = "http://127.0.0.1:8000"
+# `ingress`: B sends to the router replica's own HTTP port (Ray Serve's direct ingress, on with
+# RAY_SERVE_THROUGHPUT_OPTIMIZED=1: `ss -ltnp` shows it), A through Serve's proxy as clients do.
+DIRECT = os.environ.get("DIRECT_INGRESS_URL", "http://127.0.0.1:30000")
 
 
 def engine_processes() -> list[psutil.Process]:
@@ -78,8 +81,8 @@ def set_niceness(level: int, stock_pids: set[int]) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) != 4 or sys.argv[1] not in ("affinity", "nice"):
-        sys.exit("usage: affinity_ab.py affinity|nice SKIP N")
+    if len(sys.argv) != 4 or sys.argv[1] not in ("affinity", "nice", "ingress"):
+        sys.exit("usage: affinity_ab.py affinity|nice|ingress SKIP N")
     mode, skip, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     config = load_config(str(ROOT / "cluster" / "configs" / "local-cpu.yaml"))
     pool_name, pool = A.choose_pool(config, None)
@@ -98,9 +101,12 @@ def main() -> None:
         root = psutil.Process(stock.proc.pid)
         stock_pids = {root.pid} | {c.pid for c in root.children(recursive=True)}
         prompts = keep(load_prompts(), "tune")[skip:skip + n]
-        with SpecServeClient(CLUSTER) as cluster, SpecServeClient(stock.url) as stocks:
+        with SpecServeClient(CLUSTER) as cluster, SpecServeClient(stock.url) as stocks, \
+                SpecServeClient(DIRECT) as direct:
             def ask(v: str, text: str, max_tokens: int):
                 client, extra = (stocks, STOCK_EXTRA) if v == "stock" else (cluster, None)
+                if v == "B" and mode == "ingress":
+                    client = direct
                 return client.generate_streamed(messages=[{"role": "user", "content": text}], model=pool.model,
                                                 max_tokens=max_tokens, temperature=0, extra=extra)
             for p in prompts:

@@ -3,7 +3,7 @@ n-gram pool's model, dtype, engine arguments, environment and core binding): `st
 runs it (asynchronous scheduling on, vLLM's default without speculation) and `stock-none-sync`
 with `--no-async-scheduling` (what every speculative engine here runs: vLLM 0.32 turns it off for
 n-gram and suffix drafting, and specserve's per-request-K scheduler needs it off). Prints their
-URLs and waits; Ctrl-C stops both.
+URLs and waits; Ctrl-C or SIGTERM (`kill %1`) stops both.
 
     .venv/bin/python docs/benchmarks/async-scheduling/start_pair.py &
     specserve bench --baseline-url stock-none=URL1 --baseline-url stock-none-sync=URL2 ...
@@ -26,6 +26,7 @@ def main() -> None:
     servers = A.plan_servers(baselines, pool, resolve_model(pool.model, config), pool.model,
                              config.models[pool.model].dtype, Path("/tmp/async_pair"))
     servers[1].argv.append("--no-async-scheduling")
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # for sigwait, from any shell
     for s in servers:
         s.start()
     try:

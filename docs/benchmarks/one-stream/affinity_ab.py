@@ -1,6 +1,9 @@
 """One stream through a running cluster: does how the serving core is shared cost time against stock
 vLLM's suffix server?
 
+`relay`: would the processes that relay each streamed chunk (router, engine replica, Serve's proxy)
+cost the engine less on the model workers' core (B: they run while a worker waits for its engine
+core) than on the engine core's (A, as `specserve up` pins them)?
 `affinity`: does pinning the n-gram pool's engine core and engine replica to the serving core
 (`ray.pin_serving_cpus`) cost time? `nice`: does the engine core wait for the serving path (Ray's
 proxy, the router, the engine replica's front end, Ray's daemons) on that core, so that giving it
@@ -10,7 +13,7 @@ Per tune prompt three requests, order rotated: the cluster (`auto`) as `specserv
 the same switched (B: floating, or reniced), and a
 stock-suffix server this script starts as `specserve bench` starts its anchors. The cluster's suffix
 trees forget earlier outputs before each of its requests (A and B see the same prompt). For
-`affinity`, stop the `specserve up` process's pinning pass first (`kill -STOP <pid>`; `kill -CONT`
+`affinity` and `relay`, stop the `specserve up` process's pinning pass first (`kill -STOP <pid>`; `kill -CONT`
 after): it would move B's processes back. `nice` renices every process of the machine but the
 engines and the stock server, and sets them back to 0 (not to what they were) at the end. Requests
 go through the bench's client (`cluster.client`), streamed. Every prompt warmed in every engine
@@ -54,8 +57,17 @@ def engine_processes() -> list[psutil.Process]:
     return out
 
 
-def set_affinity(cpus: frozenset[int]) -> None:
-    for p in engine_processes():
+RELAY = ("ServeReplica:specserve:router", "ServeReplica:specserve:engine-ngram", "ProxyActor")
+
+
+def relay_processes() -> list[psutil.Process]:
+    """The processes that relay every streamed chunk: the router, the n-gram engine replica (not its
+    engine core) and Serve's proxy."""
+    return [p for p in psutil.process_iter(["cmdline"]) if any(r in " ".join(p.info["cmdline"] or []) for r in RELAY)]
+
+
+def set_affinity(cpus: frozenset[int], procs=None) -> None:
+    for p in engine_processes() if procs is None else procs:
         for t in p.threads():
             try:
                 os.sched_setaffinity(t.id, cpus)
@@ -81,8 +93,8 @@ def set_niceness(level: int, stock_pids: set[int]) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) != 4 or sys.argv[1] not in ("affinity", "nice", "ingress"):
-        sys.exit("usage: affinity_ab.py affinity|nice|ingress SKIP N")
+    if len(sys.argv) != 4 or sys.argv[1] not in ("affinity", "nice", "ingress", "relay"):
+        sys.exit("usage: affinity_ab.py affinity|nice|ingress|relay SKIP N")
     mode, skip, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     config = load_config(str(ROOT / "cluster" / "configs" / "local-cpu.yaml"))
     pool_name, pool = A.choose_pool(config, None)
@@ -121,6 +133,8 @@ def main() -> None:
                     if v != "stock":
                         if mode == "affinity":
                             set_affinity(pinned if v == "A" else all_cpus)
+                        if mode == "relay":  # B: the relays on the model workers' core, off the engine core's
+                            set_affinity(pinned if v == "A" else all_cpus - pinned, relay_processes())
                         httpx.post(CLUSTER + "/v1/specserve/forget_outputs", timeout=60).raise_for_status()
                     time.sleep(1.2)
                     r = ask(v, p.text, 128)
@@ -130,6 +144,8 @@ def main() -> None:
     finally:
         if mode == "affinity":
             set_affinity(pinned)
+        if mode == "relay":
+            set_affinity(pinned, relay_processes())
         else:
             set_niceness(0, stock_pids)
         stock.stop()

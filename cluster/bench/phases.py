@@ -153,14 +153,14 @@ def must_forget(cfg: P.BenchConfig, answered: set[str], prompts_repeat: bool) ->
     return prompts_repeat or bool(answered - {cfg.name})
 
 
-async def forget(runner: Runner, cfg: P.BenchConfig, args, answered: set[str], prompts_repeat: bool,
-                 always: bool = False) -> None:
+async def forget(runner: Runner, cfg: P.BenchConfig, args, answered: set[str], prompts_repeat: bool) -> None:
     """Before a load phase of a cluster configuration: its suffix trees drop what earlier phases
-    served (`POST /v1/specserve/forget_outputs`) when `must_forget` says so, or `always`
-    (`--forget-outputs`); `answered` is updated. `--keep-outputs` never forgets."""
+    served (`POST /v1/specserve/forget_outputs`) when `must_forget` says so (`--forget-outputs`
+    passes `prompts_repeat`, so it forgets every time); `answered` is updated. `--keep-outputs`
+    never forgets."""
     if cfg.baseline:
         return
-    if not getattr(args, "keep_outputs", False) and must_forget(cfg, answered, prompts_repeat or always):
+    if not getattr(args, "keep_outputs", False) and must_forget(cfg, answered, prompts_repeat):
         answered.clear()
         try:
             out = await runner.client.forget_outputs()
@@ -243,7 +243,8 @@ async def _measure(run: PhaseRun, runner: Runner, send, warm, bar) -> None:
     sweep_cfgs = P.expand_configs(run.sweep_spec, configs, best, run.max_k)
     starts = P.sweep_starts(run.levels, len(prompts), args.sweep_rounds, args.sweep_requests)
     compared = {p.text for p in run.all_compared}
-    repeat = (starts[-1] + len(run.arrivals) * args.trace_rounds > len(run.sweep_prompts)
+    repeat = (getattr(args, "forget_outputs", False)
+              or starts[-1] + len(run.arrivals) * args.trace_rounds > len(run.sweep_prompts)
               or any(p.text in compared for p in run.sweep_prompts))
     for li, c in enumerate(lv for lv in run.levels if lv > 1):
         n = P.sweep_requests(c, len(prompts), per_phase=args.sweep_requests)
@@ -251,7 +252,7 @@ async def _measure(run: PhaseRun, runner: Runner, send, warm, bar) -> None:
             phase_prompts = round_prompts(run.sweep_prompts, n, r, start=starts[li])
             await warm(sweep_cfgs, phase_prompts)
             for cfg in (sweep_cfgs[i] for i in order):
-                await forget(runner, cfg, args, answered, repeat, always=getattr(args, "forget_outputs", False))
+                await forget(runner, cfg, args, answered, repeat)
                 await send([Job("sweep", cfg, p, concurrency=c, repeat=r) for p in phase_prompts], c)
 
     # 6. Trace replay: the schedule, identical for every configuration, in rounds ordered like the sweep's;
@@ -262,7 +263,7 @@ async def _measure(run: PhaseRun, runner: Runner, send, warm, bar) -> None:
             arrivals = round_schedule(run.arrivals, run.sweep_prompts, r, start=starts[-1])
             await warm(sweep_cfgs, [a.prompt for a in arrivals])
             for cfg in (sweep_cfgs[i] for i in order):
-                await forget(runner, cfg, args, answered, repeat, always=getattr(args, "forget_outputs", False))
+                await forget(runner, cfg, args, answered, repeat)
                 bar.total += len(offsets)
                 log(f"bench: trace round {r}: {cfg.name}, {len(offsets)} arrivals over {offsets[-1]:.0f} s")
                 await runner.run_schedule(trace_jobs(arrivals, cfg, r), offsets)

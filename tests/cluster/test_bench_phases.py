@@ -36,11 +36,10 @@ def test_cluster_phases_forget_after_another_cluster_config_stock_ones_and_keep_
 
 def test_forget_outputs_forgets_before_every_cluster_phase_and_keep_outputs_wins():
     auto, client, answered = P.BenchConfig("auto", None, None), _Client(), {"auto"}
-    asyncio.run(forget(SimpleNamespace(client=client), auto, SimpleNamespace(keep_outputs=False), answered, False,
-                       always=True))
+    # --forget-outputs reaches forget as prompts_repeat (phases._measure)
+    asyncio.run(forget(SimpleNamespace(client=client), auto, SimpleNamespace(keep_outputs=False), answered, True))
     assert client.calls == 1 and answered == {"auto"}
-    asyncio.run(forget(SimpleNamespace(client=client), auto, SimpleNamespace(keep_outputs=True), answered, False,
-                       always=True))
+    asyncio.run(forget(SimpleNamespace(client=client), auto, SimpleNamespace(keep_outputs=True), answered, True))
     assert client.calls == 1
 
 

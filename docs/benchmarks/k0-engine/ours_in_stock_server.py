@@ -42,10 +42,11 @@ def servers():
                                  dtype, Path("/tmp/ours_in_stock"))
     stock.argv.append("--no-async-scheduling")
     theirs = set(A.stock_engine_args(pool, path, pool.model, dtype))
-    for key, value in engine_kwargs(pool, path, None, pool.model, dtype).items():
+    kwargs = engine_kwargs(pool, path, None, pool.model, dtype)
+    for key, value in kwargs.items():
         if key not in theirs and key != "speculative_config":
             ours.argv += A.cli_flag(key, value)
-    ours.argv += ["--speculative-config", json.dumps(engine_kwargs(pool, path, None, pool.model, dtype)["speculative_config"])]
+    ours.argv += ["--speculative-config", json.dumps(kwargs["speculative_config"])]
     ours.env["VLLM_SERVER_DEV_MODE"] = "1"
     return pool.model, stock, ours
 

@@ -206,6 +206,10 @@ class PoolConfig(Strict):
             "sent as it comes)."
         ),
     )
+    engine_core_wait: Literal["spin", "block"] = Field(
+        "spin",
+        description="How the engine core waits for its workers in a step: spin (vLLM's own: a core busy all the "
+                    "while) or block, where it shares a core with the serving path (cluster/engine/worker_wait.py).")
     auto: bool = Field(
         True,
         description=(

@@ -40,6 +40,7 @@ import bisect
 import time
 from typing import Any, Optional, Sequence
 
+from cluster.engine.worker_wait import block_on_replies
 from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP, EXTRA_ARGS_MODE, SpecMode
 from cluster.engine.step_k import (PRIOR_RELATIVE_COST, RequestDrafts, StepCost, StepCostLine, acceptance, batch_optimism,
                                    choose_step_ks, next_acceptance)
@@ -48,10 +49,12 @@ from cluster.engine.step_k import (PRIOR_RELATIVE_COST, RequestDrafts, StepCost,
 # effective K its latest drafts were trimmed to.
 _K_STATE, _K_USED = "_specserve_k_state", "_specserve_k_used"
 _ACCEPT = "_specserve_accept"  # (successes, failures) of a per-step-K request's recent drafts
-# Key under vLLM's `additional_config` holding specserve's engine-side settings, and the setting
-# that bounds the batch at which per-step-K requests draft (`PoolConfig.step_k_max_batch`).
+# Key under vLLM's `additional_config` holding specserve's engine-side settings, the setting
+# that bounds the batch at which per-step-K requests draft (`PoolConfig.step_k_max_batch`), and how
+# the engine core waits for its workers (`PoolConfig.engine_core_wait`, `cluster.engine.worker_wait`).
 ADDITIONAL_CONFIG_KEY = "specserve"
 STEP_K_MAX_BATCH_KEY = "step_k_max_batch"
+ENGINE_CORE_WAIT_KEY = "engine_core_wait"
 KCapTable = Sequence[tuple[int, int]]  # [(min_batch_size, k_cap), ...] sorted by min_batch_size
 
 
@@ -237,6 +240,8 @@ def _make_scheduler_cls():
             self.k_cap_table = sorted((int(a), int(b)) for a, b in table) if table else None
             max_batch = extra.get(STEP_K_MAX_BATCH_KEY)
             self.step_k_max_batch = int(max_batch) if max_batch is not None else None
+            if extra.get(ENGINE_CORE_WAIT_KEY) == "block":  # this process is the engine core
+                block_on_replies()
             self.step_cost = StepCost()
             self._step_started: Optional[tuple[float, int, int]] = None  # (perf_counter, requests, drafts)
 

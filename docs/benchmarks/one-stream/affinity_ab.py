@@ -92,9 +92,20 @@ def set_niceness(level: int, stock_pids: set[int]) -> None:
             pass
 
 
+SPIN_OFF = Path("/tmp/specserve-nospin")
+
+
+def set_spin(on: bool) -> None:
+    """B of `spin`: the engine core waits for its model worker blocked instead of spinning."""
+    if on:
+        SPIN_OFF.unlink(missing_ok=True)
+    else:
+        SPIN_OFF.touch()
+
+
 def main() -> None:
-    if len(sys.argv) != 4 or sys.argv[1] not in ("affinity", "nice", "ingress", "relay"):
-        sys.exit("usage: affinity_ab.py affinity|nice|ingress|relay SKIP N")
+    if len(sys.argv) != 4 or sys.argv[1] not in ("affinity", "nice", "ingress", "relay", "spin"):
+        sys.exit("usage: affinity_ab.py affinity|nice|ingress|relay|spin SKIP N")
     mode, skip, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     config = load_config(str(ROOT / "cluster" / "configs" / "local-cpu.yaml"))
     pool_name, pool = A.choose_pool(config, None)
@@ -131,6 +142,8 @@ def main() -> None:
                     if mode == "nice":
                         set_niceness(10 if v == "B" else 0, stock_pids)
                     if v != "stock":
+                        if mode == "spin":
+                            set_spin(v == "A")
                         if mode == "affinity":
                             set_affinity(pinned if v == "A" else all_cpus)
                         if mode == "relay":  # B: the relays on the model workers' core, off the engine core's
@@ -146,6 +159,8 @@ def main() -> None:
             set_affinity(pinned)
         if mode == "relay":
             set_affinity(pinned, relay_processes())
+        elif mode == "spin":
+            set_spin(True)
         else:
             set_niceness(0, stock_pids)
         stock.stop()

@@ -25,7 +25,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
-from affinity_ab import CLUSTER, set_niceness  # noqa: E402  (this folder)
+from affinity_ab import CLUSTER, set_niceness, set_spin  # noqa: E402  (this folder)
 from cluster.bench.plan import BenchConfig  # noqa: E402
 from cluster.bench.runner import Job, Runner  # noqa: E402
 from cluster.bench.split import keep  # noqa: E402
@@ -48,10 +48,10 @@ async def one_pass(runner: Runner, config: BenchConfig, prompts: list, streams: 
 
 
 async def main() -> None:
-    if len(sys.argv) != 6 or sys.argv[1] not in CONFIGS:
-        sys.exit("usage: nice_load_ab.py auto|none STREAMS ROUNDS N_PER_ROUND SKIP")
-    config = CONFIGS[sys.argv[1]]
-    streams, rounds, n, skip = map(int, sys.argv[2:])
+    if len(sys.argv) != 7 or sys.argv[1] not in ("nice", "spin") or sys.argv[2] not in CONFIGS:
+        sys.exit("usage: load_ab.py nice|spin auto|none STREAMS ROUNDS N_PER_ROUND SKIP")
+    switch, config = sys.argv[1], CONFIGS[sys.argv[2]]
+    streams, rounds, n, skip = map(int, sys.argv[3:])
     prompts = keep(load_prompts(), "tune")
     slices = [[prompts[(skip + r * n + i) % len(prompts)] for i in range(n)] for r in range(rounds)]
     mine = {os.getpid()}
@@ -63,7 +63,10 @@ async def main() -> None:
             for r, chunk in enumerate(slices):
                 rate = {}
                 for v in ("AB" if r % 2 == 0 else "BA"):
-                    set_niceness(10 if v == "B" else 0, mine)
+                    if switch == "nice":
+                        set_niceness(10 if v == "B" else 0, mine)
+                    else:
+                        set_spin(v == "A")
                     httpx.post(CLUSTER + "/v1/specserve/forget_outputs", timeout=60).raise_for_status()
                     await asyncio.sleep(1.2)
                     tokens, wall = await one_pass(runner, config, chunk, streams)
@@ -71,7 +74,10 @@ async def main() -> None:
                 ratios.append(rate["B"] / rate["A"])
                 print(f"round {r}: A {rate['A']:.1f} tok/s, B {rate['B']:.1f} tok/s, B / A {ratios[-1]:.3f}", flush=True)
         finally:
-            set_niceness(0, mine)
+            if switch == "nice":
+                set_niceness(0, mine)
+            else:
+                set_spin(True)
     mean = statistics.mean(ratios)
     half = T95.get(len(ratios), 2.0) * statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
     print(f"{config.name}, {streams} streams, {rounds} rounds of {n}: B / A {mean:.3f} ({mean - half:.3f}-{mean + half:.3f})")

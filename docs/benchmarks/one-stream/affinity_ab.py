@@ -8,6 +8,10 @@ core) than on the engine core's (A, as `specserve up` pins them)?
 (`ray.pin_serving_cpus`) cost time? `nice`: does the engine core wait for the serving path (Ray's
 proxy, the router, the engine replica's front end, Ray's daemons) on that core, so that giving it
 precedence (every other process of the machine but the model workers at nice 10) helps?
+`spin`: does the engine core cost the serving path time by spinning while its model worker computes
+(A, vLLM's own wait) rather than sleeping (B, `engine_core_wait: block`)? Needs a cluster whose engine
+core reads the switch: `git apply docs/benchmarks/one-stream/spin_switch.patch` before `scripts/up`
+(the engine core then spins unless the `SPIN_OFF` file exists; not kept in the code).
 
 Per tune prompt three requests, order rotated: the cluster (`auto`) as `specserve up` runs it (A),
 the same switched (B: floating, or reniced), and a
@@ -21,6 +25,7 @@ first; 1.2 s before each request.
 
     .venv/bin/python docs/benchmarks/one-stream/affinity_ab.py affinity 3 45
     .venv/bin/python docs/benchmarks/one-stream/affinity_ab.py nice 3 45
+    .venv/bin/python docs/benchmarks/one-stream/affinity_ab.py spin 3 30
 """
 import os
 import sys

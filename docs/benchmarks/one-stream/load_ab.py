@@ -1,18 +1,23 @@
-"""Under load through a running cluster: does giving the engine core precedence on the serving core
-(every process of the machine but the engine cores, the model workers and this script at nice 10,
-`affinity_ab.py nice`'s B) cost throughput when the serving path has STREAMS streams to relay?
+"""Under load through a running cluster: does a switch of the serving core's sharing change throughput
+when the serving path has STREAMS streams to relay? `nice`: every process of the machine but the
+engine cores, the model workers and this script at nice 10 (`affinity_ab.py nice`'s B). `spin`: the
+engine core sleeps while its model worker computes instead of spinning (`affinity_ab.py spin`'s B,
+which says what the cluster needs for the switch).
 
 Per round, one slice of tune prompts goes twice at STREAMS closed-loop streams of MODE (`auto`, or
-`none` for plain decoding, which leaves the router's choices out of the comparison), once at
-nice 0 (A) and once at nice 10 (B), the order alternating by round; the cluster's suffix trees forget
-earlier outputs before each pass, and every prompt is warmed once (1 token) before the first round,
-so A and B see the same prefix cache. Each pass's throughput is its output tokens over its wall time;
-the ratio B / A is reported per round and as a mean with a t interval over rounds. The script's own
+`none` for plain decoding, which leaves the router's choices out of the comparison), once as the
+cluster runs (A) and once switched (B), the order alternating by round; the cluster's suffix trees
+forget earlier outputs before each pass, and every prompt is warmed once (1 token) before the first
+round, so A and B see the same prefix cache. Each pass's throughput is its output tokens over its wall
+time; the ratio B / A is reported per round and as a mean with a t interval over rounds (a round in
+which the machine slowed one pass reads far from the others: look at them). The script's own
 process stays at nice 0 (a client is not on the serving machine in production).
 
-    .venv/bin/python docs/benchmarks/one-stream/nice_load_ab.py MODE STREAMS ROUNDS N_PER_ROUND SKIP
-    .venv/bin/python docs/benchmarks/one-stream/nice_load_ab.py auto 32 4 64 0
-    .venv/bin/python docs/benchmarks/one-stream/nice_load_ab.py none 32 6 64 0
+    .venv/bin/python docs/benchmarks/one-stream/load_ab.py SWITCH MODE STREAMS ROUNDS N_PER_ROUND SKIP
+    .venv/bin/python docs/benchmarks/one-stream/load_ab.py nice auto 32 4 64 0
+    .venv/bin/python docs/benchmarks/one-stream/load_ab.py nice none 32 6 64 0
+    .venv/bin/python docs/benchmarks/one-stream/load_ab.py spin none 16 12 16 0
+    .venv/bin/python docs/benchmarks/one-stream/load_ab.py spin auto 4 8 12 0
 """
 import asyncio
 import os

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import zmq
+
 POLL_MS = 1  # the longest a dropped notification delays the engine core
 WAIT_MODES = ("spin", "block")
 
@@ -27,8 +29,6 @@ WAIT_MODES = ("spin", "block")
 def blocking_wait(cond: Any, timeout_ms: Optional[int] = None, poll_ms: int = POLL_MS) -> None:
     """`SpinCondition.wait` that sleeps until the writer's notification (or cancel), at most `poll_ms`
     (or `timeout_ms`, if shorter). The caller re-checks the queue's flag either way, as vLLM's does."""
-    import zmq
-
     events = dict(cond.poller.poll(timeout=poll_ms if timeout_ms is None else max(0, min(timeout_ms, poll_ms))))
     if cond.local_notify_socket in events:  # CONFLATE: at most one pending notification
         cond.local_notify_socket.recv(flags=zmq.NOBLOCK, copy=False)

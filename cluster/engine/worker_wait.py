@@ -23,7 +23,6 @@ from typing import Any, Optional
 import zmq
 
 POLL_MS = 1  # the longest a dropped notification delays the engine core
-WAIT_MODES = ("spin", "block")
 
 
 def blocking_wait(cond: Any, timeout_ms: Optional[int] = None, poll_ms: int = POLL_MS) -> None:

@@ -72,7 +72,7 @@ def test_block_on_replies_replaces_the_wait_once(monkeypatch):
     assert worker_wait.block_on_replies() is False
 
 
-def test_the_pools_setting_reaches_the_engine_core(monkeypatch):
+def test_the_pools_setting_reaches_the_engine_core():
     from cluster.config import load_config
     from deployments.vllm_args import engine_kwargs
 

@@ -70,8 +70,8 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
             print(f"[specserve] note: drafters and engines read {SECRET_ENV} from their node's environment "
                   "(a joined cluster's nodes must have it; drafters refuse to start without it)", file=sys.stderr)
         # A local Ray binds to loopback (ray.node_ip_address): its processes take unauthenticated calls.
-        ctx = ray.init(**ray_init_kwargs(config, pythonpath=str(Path(__file__).resolve().parents[2]),
-                                         log_to_driver=verbose))
+        ctx = init_ray(ray.init, ray.shutdown, ray_init_kwargs(
+            config, pythonpath=str(Path(__file__).resolve().parents[2]), log_to_driver=verbose), retry=local)
         interrupt_on_signals()  # ray.init replaced the SIGTERM handler with its own (sys.exit)
         print(logs_line((getattr(ctx, "address_info", None) or {}).get("session_dir"), verbose,
                         joined=not local))
@@ -114,6 +114,27 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
         forget_ray_address(config)
         raise
     return config, redis_handle, forwarder, nodes
+
+
+# Ray's "node timed out during startup": its raylet did not register within Ray's 30 s, seen when
+# `up` ran right after a cluster was stopped and the old session's raylet was still exiting.
+NODE_TIMEOUT_MESSAGE = "timed out during startup"
+NODE_RETRY_PAUSE_S = 10.0
+
+
+def init_ray(init, shutdown, kwargs: dict, retry: bool, pause_s: float = NODE_RETRY_PAUSE_S, sleep=time.sleep):
+    """`init(**kwargs)` (ray.init); a local node that timed out during startup is started once more,
+    after `shutdown()` and `pause_s`. Any other failure, or a second timeout, is raised as it is."""
+    try:
+        return init(**kwargs)
+    except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this one
+        if not retry or NODE_TIMEOUT_MESSAGE not in str(e):
+            raise
+        print(f"[specserve] Ray's node timed out during startup (a stopped cluster's processes may still be "
+              f"exiting); starting it once more in {pause_s:.0f} s", file=sys.stderr)
+        shutdown()
+        sleep(pause_s)
+        return init(**kwargs)
 
 
 def _record_ray_address(config, gcs_address) -> None:

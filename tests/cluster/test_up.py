@@ -7,7 +7,9 @@ from __future__ import annotations
 import threading
 import time
 
-from cluster.ops.up import bounded, local_drafter_secret, logs_line
+import pytest
+
+from cluster.ops.up import bounded, init_ray, local_drafter_secret, logs_line
 from tests.paths import LOCAL_CPU
 
 
@@ -34,6 +36,46 @@ def test_a_step_that_finishes_returns_true_at_once():
     t0 = time.monotonic()
     assert bounded(lambda: done.append(1), 30.0, "serve.shutdown") is True
     assert done == [1] and time.monotonic() - t0 < 5.0
+
+
+class _FlakyInit:
+    """ray.init that fails its first `fails` calls with `error`."""
+
+    def __init__(self, fails: int, error: Exception):
+        self.fails, self.error, self.calls, self.shutdowns = fails, error, [], 0
+
+    def __call__(self, **kwargs):
+        self.calls.append(kwargs)
+        if len(self.calls) <= self.fails:
+            raise self.error
+        return "ctx"
+
+    def shutdown(self):
+        self.shutdowns += 1
+
+
+NODE_TIMEOUT = Exception("The current node timed out during startup. This could happen because some of the "
+                         "raylet failed to startup or the GCS has become overloaded.")
+
+
+def test_a_local_node_that_timed_out_during_startup_is_started_once_more(capsys):
+    """`up` right after a stopped cluster: the old raylet was still exiting and Ray's node timed out."""
+    init, slept = _FlakyInit(1, NODE_TIMEOUT), []
+    assert init_ray(init, init.shutdown, {"num_cpus": 2}, retry=True, sleep=slept.append) == "ctx"
+    assert init.calls == [{"num_cpus": 2}] * 2 and init.shutdowns == 1 and slept == [10.0]
+    assert "timed out during startup" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fails, error, retry", [
+    (2, NODE_TIMEOUT, True),  # a second timeout is not hidden
+    (1, NODE_TIMEOUT, False),  # joining a cluster starts no node: nothing to retry
+    (1, ValueError("bad runtime_env"), True),  # any other failure is raised at once
+])
+def test_other_start_up_failures_are_raised_as_they_are(fails, error, retry):
+    init, slept = _FlakyInit(fails, error), []
+    with pytest.raises(type(error), match=str(error)[:20]):
+        init_ray(init, init.shutdown, {}, retry=retry, sleep=slept.append)
+    assert len(init.calls) == (2 if fails == 2 else 1)
 
 
 def test_a_local_cluster_with_drafters_gets_a_new_wire_secret_per_start():

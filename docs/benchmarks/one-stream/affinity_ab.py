@@ -12,6 +12,8 @@ precedence (every other process of the machine but the model workers at nice 10)
 (A, vLLM's own wait) rather than sleeping (B, `engine_core_wait: block`)? Needs a cluster whose engine
 core reads the switch: `git apply docs/benchmarks/one-stream/spin_switch.patch` before `scripts/up`
 (the engine core then spins unless the `SPIN_OFF` file exists; not kept in the code).
+`rt`: does the engine core wait for the relays on the serving core when its worker's reply wakes
+it? B runs its threads at SCHED_FIFO 1 (root), so it preempts them at once; A as `specserve up` runs it.
 
 Per tune prompt three requests, order rotated: the cluster (`auto`) as `specserve up` runs it (A),
 the same switched (B: floating, or reniced), and a
@@ -26,6 +28,7 @@ first; 1.2 s before each request.
     .venv/bin/python docs/benchmarks/one-stream/affinity_ab.py affinity 3 45
     .venv/bin/python docs/benchmarks/one-stream/affinity_ab.py nice 3 45
     .venv/bin/python docs/benchmarks/one-stream/affinity_ab.py spin 3 30
+    .venv/bin/python docs/benchmarks/one-stream/affinity_ab.py rt 3 30
 """
 import os
 import sys
@@ -97,6 +100,19 @@ def set_niceness(level: int, stock_pids: set[int]) -> None:
             pass
 
 
+def set_realtime(on: bool) -> None:
+    """B of `rt`: every thread of the n-gram pool's engine core at SCHED_FIFO 1 (needs root or
+    CAP_SYS_NICE), so that it takes the serving core from the relays the moment its worker's reply
+    wakes it; A: SCHED_OTHER, as it runs. Safe only with `engine_core_wait: block` (a spinning engine
+    core at a real-time priority would keep the relays off that core)."""
+    policy, param = (os.SCHED_FIFO, os.sched_param(1)) if on else (os.SCHED_OTHER, os.sched_param(0))
+    for p in engine_processes():
+        if "VLLM::EngineCore" not in " ".join(p.cmdline()):
+            continue
+        for t in p.threads():
+            os.sched_setscheduler(t.id, policy, param)
+
+
 SPIN_OFF = Path("/tmp/specserve-nospin")
 
 
@@ -109,8 +125,8 @@ def set_spin(on: bool) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) != 4 or sys.argv[1] not in ("affinity", "nice", "ingress", "relay", "spin"):
-        sys.exit("usage: affinity_ab.py affinity|nice|ingress|relay|spin SKIP N")
+    if len(sys.argv) != 4 or sys.argv[1] not in ("affinity", "nice", "ingress", "relay", "spin", "rt"):
+        sys.exit("usage: affinity_ab.py affinity|nice|ingress|relay|spin|rt SKIP N")
     mode, skip, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     config = load_config(str(ROOT / "cluster" / "configs" / "local-cpu.yaml"))
     pool_name, pool = A.choose_pool(config, None)
@@ -149,6 +165,8 @@ def main() -> None:
                     if v != "stock":
                         if mode == "spin":
                             set_spin(v == "A")
+                        if mode == "rt":
+                            set_realtime(v == "B")
                         if mode == "affinity":
                             set_affinity(pinned if v == "A" else all_cpus)
                         if mode == "relay":  # B: the relays on the model workers' core, off the engine core's
@@ -166,6 +184,8 @@ def main() -> None:
             set_affinity(pinned, relay_processes())
         elif mode == "spin":
             set_spin(True)
+        elif mode == "rt":
+            set_realtime(False)
         else:
             set_niceness(0, stock_pids)
         stock.stop()

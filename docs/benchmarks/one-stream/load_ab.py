@@ -2,13 +2,14 @@
 when the serving path has STREAMS streams to relay? `nice`: every process of the machine but the
 engine cores, the model workers and this script at nice 10 (`affinity_ab.py nice`'s B). `spin`: the
 engine core sleeps while its model worker computes instead of spinning (`affinity_ab.py spin`'s B,
-which says what the cluster needs for the switch).
+which says what the cluster needs for the switch). `rt`: the engine core at SCHED_FIFO 1
+(`affinity_ab.py rt`'s B).
 
 Per round, one slice of tune prompts goes twice at STREAMS closed-loop streams of MODE (`auto`, or
 `none` for plain decoding, which leaves the router's choices out of the comparison), once as the
 cluster runs (A) and once switched (B), the order alternating by round; the cluster's suffix trees
-forget earlier outputs before each pass, and every prompt is warmed once (1 token) before the first
-round, so A and B see the same prefix cache. Each pass's throughput is its output tokens over its wall
+forget earlier outputs before each pass, and the round's prompts are warmed (1 token) before it,
+so A and B see the same prefix cache. Each pass's throughput is its output tokens over its wall
 time; the ratio B / A is reported per round and as a mean with a t interval over rounds (a round in
 which the machine slowed one pass reads far from the others: look at them). The script's own
 process stays at nice 0 (a client is not on the serving machine in production).
@@ -30,7 +31,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
-from affinity_ab import CLUSTER, set_niceness, set_spin  # noqa: E402  (this folder)
+from affinity_ab import CLUSTER, set_niceness, set_realtime, set_spin  # noqa: E402  (this folder)
 from cluster.bench.plan import BenchConfig  # noqa: E402
 from cluster.bench.runner import Job, Runner  # noqa: E402
 from cluster.bench.split import keep  # noqa: E402
@@ -53,8 +54,8 @@ async def one_pass(runner: Runner, config: BenchConfig, prompts: list, streams: 
 
 
 async def main() -> None:
-    if len(sys.argv) != 7 or sys.argv[1] not in ("nice", "spin") or sys.argv[2] not in CONFIGS:
-        sys.exit("usage: load_ab.py nice|spin auto|none STREAMS ROUNDS N_PER_ROUND SKIP")
+    if len(sys.argv) != 7 or sys.argv[1] not in ("nice", "spin", "rt") or sys.argv[2] not in CONFIGS:
+        sys.exit("usage: load_ab.py nice|spin|rt auto|none STREAMS ROUNDS N_PER_ROUND SKIP")
     switch, config = sys.argv[1], CONFIGS[sys.argv[2]]
     streams, rounds, n, skip = map(int, sys.argv[3:])
     prompts = keep(load_prompts(), "tune")
@@ -63,13 +64,18 @@ async def main() -> None:
     ratios = []
     async with AsyncSpecServeClient(CLUSTER) as client:
         runner = Runner(client, model=None, max_tokens=128)
-        await runner.run_closed_loop([Job("warm", config, p, max_tokens=1) for s in slices for p in s], streams)
         try:
             for r, chunk in enumerate(slices):
+                # Warmed here, not all before the first round: by the later rounds the passes' own
+                # requests had pushed the first rounds' prompts out of the prefix cache, and the first
+                # pass of a round of long prompts paid their prefill alone (0.6 of the second pass).
+                await runner.run_closed_loop([Job("warm", config, p, max_tokens=1) for p in chunk], streams)
                 rate = {}
                 for v in ("AB" if r % 2 == 0 else "BA"):
                     if switch == "nice":
                         set_niceness(10 if v == "B" else 0, mine)
+                    elif switch == "rt":
+                        set_realtime(v == "B")
                     else:
                         set_spin(v == "A")
                     httpx.post(CLUSTER + "/v1/specserve/forget_outputs", timeout=60).raise_for_status()
@@ -81,6 +87,8 @@ async def main() -> None:
         finally:
             if switch == "nice":
                 set_niceness(0, mine)
+            elif switch == "rt":
+                set_realtime(False)
             else:
                 set_spin(True)
     mean = statistics.mean(ratios)

@@ -278,16 +278,16 @@ def test_engine_cores_sleep_while_their_workers_compute(cluster):
     cores = [pid for pid, comm in procs if "EngineCor" in comm]  # comm is cut at 15 characters
     workers = [pid for pid, comm in procs if "Worker" in comm]
     assert cores and workers, procs
-    procs = {pid: psutil.Process(pid) for pid in cores + workers}
-    before = {pid: sum(p.cpu_times()[:2]) for pid, p in procs.items()}  # user + system seconds
+    handles = {pid: psutil.Process(pid) for pid in cores + workers}
+    before = {pid: sum(p.cpu_times()[:2]) for pid, p in handles.items()}  # user + system seconds
     with httpx.Client() as client:
         for i in range(3):
             r = client.post(f"{cluster.http_url}/v1/chat/completions", timeout=300, json={
                 "messages": [{"role": "user", "content": f"Write a short story about lighthouse keeper {i}."}],
                 "max_tokens": 96, "temperature": 0.0, "specserve": {"speculative": {"mode": "none"}}})
             assert r.status_code == 200, r.text
-    core = sum(sum(procs[p].cpu_times()[:2]) - before[p] for p in cores)
-    worker = sum(sum(procs[p].cpu_times()[:2]) - before[p] for p in workers)
+    core = sum(sum(handles[p].cpu_times()[:2]) - before[p] for p in cores)
+    worker = sum(sum(handles[p].cpu_times()[:2]) - before[p] for p in workers)
     assert worker > 0.5, (core, worker)  # half a second of model work at least
     assert core < 0.3 * worker, (core, worker)
 

@@ -61,23 +61,20 @@ async def main() -> None:
     prompts = keep(load_prompts(), "tune")
     slices = [[prompts[(skip + r * n + i) % len(prompts)] for i in range(n)] for r in range(rounds)]
     mine = {os.getpid()}
+    switch_to_b = {"nice": lambda b: set_niceness(10 if b else 0, mine), "rt": set_realtime,
+                   "spin": lambda b: set_spin(not b)}[switch]  # B on (True) or back to as the cluster runs
     ratios = []
     async with AsyncSpecServeClient(CLUSTER) as client:
         runner = Runner(client, model=None, max_tokens=128)
         try:
             for r, chunk in enumerate(slices):
-                # Warmed here, not all before the first round: by the later rounds the passes' own
-                # requests had pushed the first rounds' prompts out of the prefix cache, and the first
-                # pass of a round of long prompts paid their prefill alone (0.6 of the second pass).
+                # This round's prompts are warmed now: the passes push earlier prompts out of the prefix
+                # cache, so prompts warmed up front could be cold by their round, and its first pass
+                # alone would pay their prefill.
                 await runner.run_closed_loop([Job("warm", config, p, max_tokens=1) for p in chunk], streams)
                 rate = {}
                 for v in ("AB" if r % 2 == 0 else "BA"):
-                    if switch == "nice":
-                        set_niceness(10 if v == "B" else 0, mine)
-                    elif switch == "rt":
-                        set_realtime(v == "B")
-                    else:
-                        set_spin(v == "A")
+                    switch_to_b(v == "B")
                     httpx.post(CLUSTER + "/v1/specserve/forget_outputs", timeout=60).raise_for_status()
                     await asyncio.sleep(1.2)
                     tokens, wall = await one_pass(runner, config, chunk, streams)
@@ -85,12 +82,7 @@ async def main() -> None:
                 ratios.append(rate["B"] / rate["A"])
                 print(f"round {r}: A {rate['A']:.1f} tok/s, B {rate['B']:.1f} tok/s, B / A {ratios[-1]:.3f}", flush=True)
         finally:
-            if switch == "nice":
-                set_niceness(0, mine)
-            elif switch == "rt":
-                set_realtime(False)
-            else:
-                set_spin(True)
+            switch_to_b(False)
     mean = statistics.mean(ratios)
     half = T95.get(len(ratios), 2.0) * statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
     print(f"{config.name}, {streams} streams, {rounds} rounds of {n}: B / A {mean:.3f} ({mean - half:.3f}-{mean + half:.3f})")

@@ -10,7 +10,8 @@ meets a load spike stops paying for speculation, and
    for verification (`update_draft_token_ids`, the synchronous-scheduling path), and
 2. tells the proposer to draft only as many tokens as the largest K in the running batch
    (`SchedulerOutput.num_spec_tokens_to_schedule`), so K = 0 batches do no drafting work (for a
-   growing request, the K it may have when those drafts are verified: see `schedule`).
+   growing request, the K it may have when those drafts are verified: see `schedule`), and the
+   engine core does not fetch drafts after such a step (`cluster.engine.draft_take`).
 
 A request may also carry a growth rule [step, top] (`EXTRA_ARGS_K_GROW`, set by the router when
 the policy chose its K and the pool enables it): after a step that drafted and accepted its full K,
@@ -40,6 +41,7 @@ import bisect
 import time
 from typing import Any, Optional, Sequence
 
+from cluster.engine.draft_take import ASKED_ATTR, skip_empty_takes
 from cluster.engine.worker_wait import block_on_replies
 from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP, EXTRA_ARGS_MODE, SpecMode
 from cluster.engine.step_k import (PRIOR_RELATIVE_COST, RequestDrafts, StepCost, StepCostLine, acceptance, batch_optimism,
@@ -242,6 +244,8 @@ def _make_scheduler_cls():
             self.step_k_max_batch = int(max_batch) if max_batch is not None else None
             if extra.get(ENGINE_CORE_WAIT_KEY) == "block":  # this process is the engine core
                 block_on_replies()
+            skip_empty_takes()  # this process is the engine core: no draft fetch after a step at K = 0
+            setattr(self, ASKED_ATTR, True)
             self.step_cost = StepCost()
             self._step_started: Optional[tuple[float, int, int]] = None  # (perf_counter, requests, drafts)
 
@@ -336,6 +340,7 @@ def _make_scheduler_cls():
             # decode steps only, as a prefill's time is not a decode step's.
             shape = step_shape(output.num_scheduled_tokens, output.scheduled_spec_decode_tokens)
             proposing = getattr(output, "num_spec_tokens_to_schedule", 0) > 0
+            setattr(self, ASKED_ATTR, proposing)  # nothing to fetch after a step that asked for no drafts
             self._step_started = None if shape is None or not proposing else (time.perf_counter(), *shape)
             return output
 

@@ -3,7 +3,11 @@ when the serving path has STREAMS streams to relay? `nice`: every process of the
 engine cores, the model workers and this script at nice 10 (`affinity_ab.py nice`'s B). `spin`: the
 engine core sleeps while its model worker computes instead of spinning (`affinity_ab.py spin`'s B,
 which says what the cluster needs for the switch). `rt`: the engine core at SCHED_FIFO 1
-(`affinity_ab.py rt`'s B).
+(`affinity_ab.py rt`'s B). `take`: the engine core fetches drafts from its model worker after every
+step, as vLLM does, where the cluster skips the fetch after steps that asked for none
+(`cluster/engine/draft_take.py`); needs a cluster whose engine core reads the switch:
+`git apply docs/benchmarks/one-stream/take_switch.patch` before `scripts/up` (it then fetches every
+step while the `TAKE_ALWAYS` file exists).
 
 Per round, one slice of tune prompts goes twice at STREAMS closed-loop streams of MODE (`auto`, or
 `none` for plain decoding, which leaves the router's choices out of the comparison), once as the
@@ -19,6 +23,7 @@ process stays at nice 0 (a client is not on the serving machine in production).
     .venv/bin/python docs/benchmarks/one-stream/load_ab.py nice none 32 6 64 0
     .venv/bin/python docs/benchmarks/one-stream/load_ab.py spin none 16 12 16 0
     .venv/bin/python docs/benchmarks/one-stream/load_ab.py spin auto 4 8 12 0
+    .venv/bin/python docs/benchmarks/one-stream/load_ab.py take auto 16 8 32 0
 """
 import asyncio
 import os
@@ -39,6 +44,7 @@ from cluster.bench.workload import load_prompts  # noqa: E402
 from cluster.client import AsyncSpecServeClient  # noqa: E402
 
 CONFIGS = {"auto": BenchConfig("auto", None, None), "none": BenchConfig("none", "none", None)}
+TAKE_ALWAYS = Path("/tmp/specserve-take-always")  # read by take_switch.patch
 T95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36}  # two-sided t, n-1 degrees of freedom
 
 
@@ -54,15 +60,16 @@ async def one_pass(runner: Runner, config: BenchConfig, prompts: list, streams: 
 
 
 async def main() -> None:
-    if len(sys.argv) != 7 or sys.argv[1] not in ("nice", "spin", "rt") or sys.argv[2] not in CONFIGS:
-        sys.exit("usage: load_ab.py nice|spin|rt auto|none STREAMS ROUNDS N_PER_ROUND SKIP")
+    if len(sys.argv) != 7 or sys.argv[1] not in ("nice", "spin", "rt", "take") or sys.argv[2] not in CONFIGS:
+        sys.exit("usage: load_ab.py nice|spin|rt|take auto|none STREAMS ROUNDS N_PER_ROUND SKIP")
     switch, config = sys.argv[1], CONFIGS[sys.argv[2]]
     streams, rounds, n, skip = map(int, sys.argv[3:])
     prompts = keep(load_prompts(), "tune")
     slices = [[prompts[(skip + r * n + i) % len(prompts)] for i in range(n)] for r in range(rounds)]
     mine = {os.getpid()}
     switch_to_b = {"nice": lambda b: set_niceness(10 if b else 0, mine), "rt": set_realtime,
-                   "spin": lambda b: set_spin(not b)}[switch]  # B on (True) or back to as the cluster runs
+                   "spin": lambda b: set_spin(not b),
+                   "take": lambda b: TAKE_ALWAYS.touch() if b else TAKE_ALWAYS.unlink(missing_ok=True)}[switch]  # B on (True) or back to as the cluster runs
     ratios = []
     async with AsyncSpecServeClient(CLUSTER) as client:
         runner = Runner(client, model=None, max_tokens=128)

@@ -7,7 +7,9 @@ which says what the cluster needs for the switch). `rt`: the engine core at SCHE
 step, as vLLM does, where the cluster skips the fetch after steps that asked for none
 (`cluster/engine/draft_take.py`); needs a cluster whose engine core reads the switch:
 `git apply docs/benchmarks/one-stream/take_switch.patch` before `scripts/up` (it then fetches every
-step while the `TAKE_ALWAYS` file exists).
+step while the `TAKE_ALWAYS` file exists). `shortspin`: the engine core spins (`sched_yield`) for up
+to 2 ms after each reply it reads before it blocks, so the short round trips of a step (sampling,
+the draft fetch) find it awake; needs `shortspin_switch.patch` applied likewise (`SHORT_SPIN`).
 
 Per round, one slice of tune prompts goes twice at STREAMS closed-loop streams of MODE (`auto`, or
 `none` for plain decoding, which leaves the router's choices out of the comparison), once as the
@@ -24,6 +26,8 @@ process stays at nice 0 (a client is not on the serving machine in production).
     .venv/bin/python docs/benchmarks/one-stream/load_ab.py spin none 16 12 16 0
     .venv/bin/python docs/benchmarks/one-stream/load_ab.py spin auto 4 8 12 0
     .venv/bin/python docs/benchmarks/one-stream/load_ab.py take auto 16 8 32 0
+    .venv/bin/python docs/benchmarks/one-stream/load_ab.py take none 1 6 8 0
+    .venv/bin/python docs/benchmarks/one-stream/load_ab.py shortspin auto 1 6 8 0
 """
 import asyncio
 import os
@@ -45,6 +49,7 @@ from cluster.client import AsyncSpecServeClient  # noqa: E402
 
 CONFIGS = {"auto": BenchConfig("auto", None, None), "none": BenchConfig("none", "none", None)}
 TAKE_ALWAYS = Path("/tmp/specserve-take-always")  # read by take_switch.patch
+SHORT_SPIN = Path("/tmp/specserve-spin-short")  # read by shortspin_switch.patch
 T95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36}  # two-sided t, n-1 degrees of freedom
 
 
@@ -60,8 +65,8 @@ async def one_pass(runner: Runner, config: BenchConfig, prompts: list, streams: 
 
 
 async def main() -> None:
-    if len(sys.argv) != 7 or sys.argv[1] not in ("nice", "spin", "rt", "take") or sys.argv[2] not in CONFIGS:
-        sys.exit("usage: load_ab.py nice|spin|rt|take auto|none STREAMS ROUNDS N_PER_ROUND SKIP")
+    if len(sys.argv) != 7 or sys.argv[1] not in ("nice", "spin", "rt", "take", "shortspin") or sys.argv[2] not in CONFIGS:
+        sys.exit("usage: load_ab.py nice|spin|rt|take|shortspin auto|none STREAMS ROUNDS N_PER_ROUND SKIP")
     switch, config = sys.argv[1], CONFIGS[sys.argv[2]]
     streams, rounds, n, skip = map(int, sys.argv[3:])
     prompts = keep(load_prompts(), "tune")
@@ -69,7 +74,8 @@ async def main() -> None:
     mine = {os.getpid()}
     switch_to_b = {"nice": lambda b: set_niceness(10 if b else 0, mine), "rt": set_realtime,
                    "spin": lambda b: set_spin(not b),
-                   "take": lambda b: TAKE_ALWAYS.touch() if b else TAKE_ALWAYS.unlink(missing_ok=True)}[switch]  # B on (True) or back to as the cluster runs
+                   "take": lambda b: TAKE_ALWAYS.touch() if b else TAKE_ALWAYS.unlink(missing_ok=True),
+                   "shortspin": lambda b: SHORT_SPIN.touch() if b else SHORT_SPIN.unlink(missing_ok=True)}[switch]  # B on (True) or back to as the cluster runs
     ratios = []
     async with AsyncSpecServeClient(CLUSTER) as client:
         runner = Runner(client, model=None, max_tokens=128)

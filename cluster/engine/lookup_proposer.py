@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
+from cluster.engine.draft_take import carry_drafts
 from cluster.engine.proposer_base import NeverRaises
 from cluster.engine.vllm_scheduler import ADDITIONAL_CONFIG_KEY, growth_from, requested_k
 from cluster.speculation import EXTRA_ARGS_MODE, SpecMode
@@ -176,10 +177,12 @@ class LookupProposer(NeverRaises):
     def attach(self, runner) -> None:
         """Take the runner's batch from now on, and the scheduler's bound on this step's drafts
         (`num_spec_tokens_to_schedule`: 0 when no request may verify any), which vLLM hands its
-        own proposers but not a custom one: the runner's method is wrapped, on this runner only."""
+        own proposers but not a custom one: the runner's method is wrapped, on this runner only; and
+        the runner sends its drafts back with each step's sampled tokens (`draft_take.carry_drafts`)."""
         if self.runner is runner:
             return
         self.runner = runner
+        carry_drafts(runner)  # the drafts go back with the sampled tokens: no fetch per step
         original = getattr(runner, "propose_draft_token_ids", None)
         if original is None:
             return

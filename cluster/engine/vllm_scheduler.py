@@ -11,7 +11,8 @@ meets a load spike stops paying for speculation, and
 2. tells the proposer to draft only as many tokens as the largest K in the running batch
    (`SchedulerOutput.num_spec_tokens_to_schedule`), so K = 0 batches do no drafting work (for a
    growing request, the K it may have when those drafts are verified: see `schedule`), and the
-   engine core does not fetch drafts after such a step (`cluster.engine.draft_take`).
+   engine core does not fetch drafts after such a step, nor after any step whose worker sent its
+   drafts with the sampled tokens (`cluster.engine.draft_take`).
 
 A request may also carry a growth rule [step, top] (`EXTRA_ARGS_K_GROW`, set by the router when
 the policy chose its K and the pool enables it): after a step that drafted and accepted its full K,
@@ -41,7 +42,7 @@ import bisect
 import time
 from typing import Any, Optional, Sequence
 
-from cluster.engine.draft_take import ASKED_ATTR, skip_empty_takes
+from cluster.engine.draft_take import ASKED_ATTR, CARRIED_ATTR, carried_from, skip_empty_takes
 from cluster.engine.worker_wait import block_on_replies
 from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP, EXTRA_ARGS_MODE, SpecMode
 from cluster.engine.step_k import (PRIOR_RELATIVE_COST, RequestDrafts, StepCost, StepCostLine, acceptance, batch_optimism,
@@ -291,6 +292,7 @@ def _make_scheduler_cls():
             super().update_draft_token_ids(draft_token_ids)
 
         def update_from_output(self, scheduler_output, model_runner_output):
+            setattr(self, CARRIED_ATTR, carried_from(model_runner_output))  # the drafts the worker sent along
             if self._step_started is not None:  # the decode step just run: its time to the cost line
                 t0, n_req, n_drafts = self._step_started
                 self._step_started = None

@@ -27,6 +27,7 @@ process stays at nice 0 (a client is not on the serving machine in production).
     .venv/bin/python docs/benchmarks/one-stream/load_ab.py spin auto 4 8 12 0
     .venv/bin/python docs/benchmarks/one-stream/load_ab.py take auto 16 8 32 0
     .venv/bin/python docs/benchmarks/one-stream/load_ab.py take none 1 6 8 0
+    .venv/bin/python docs/benchmarks/one-stream/load_ab.py take auto 1 8 8 0
     .venv/bin/python docs/benchmarks/one-stream/load_ab.py shortspin auto 1 6 8 0
 """
 import asyncio

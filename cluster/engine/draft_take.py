@@ -1,4 +1,4 @@
-"""The engine core fetches its model worker's drafts only after steps that asked for drafts.
+"""The engine core gets its model worker's drafts without the extra round trip vLLM makes per step.
 
 After every step of a speculative engine, vLLM's engine core makes one more round trip to its
 model worker for the drafts proposed during the step (`EngineCore.post_step` ->
@@ -61,8 +61,9 @@ def take_needed(engine_core: Any) -> bool:
 
 
 def skip_empty_takes() -> bool:
-    """Make this process's vLLM engine cores skip the draft fetch after steps that asked for none
-    (see module doc). Returns False if it already did."""
+    """Make this process's vLLM engine cores skip the draft fetch after steps that asked for none,
+    and apply the drafts a step's output carried instead of fetching them (see module doc).
+    Returns False if it already did."""
     from vllm.v1.engine.core import EngineCore
 
     if getattr(EngineCore.post_step, "specserve_skips", False):

@@ -245,8 +245,7 @@ def _make_scheduler_cls():
             self.step_k_max_batch = int(max_batch) if max_batch is not None else None
             if extra.get(ENGINE_CORE_WAIT_KEY) == "block":  # this process is the engine core
                 block_on_replies()
-            skip_empty_takes()  # this process is the engine core: no draft fetch after a step at K = 0
-            setattr(self, ASKED_ATTR, True)
+            skip_empty_takes()  # this process is the engine core: drafts carried back or not needed, no fetch
             self.step_cost = StepCost()
             self._step_started: Optional[tuple[float, int, int]] = None  # (perf_counter, requests, drafts)
 

@@ -54,6 +54,11 @@ SHORT_SPIN = Path("/tmp/specserve-spin-short")  # read by shortspin_switch.patch
 T95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36}  # two-sided t, n-1 degrees of freedom
 
 
+def file_switch(path: Path):
+    """B on while `path` exists (read by a switch patch in the cluster)."""
+    return lambda b: path.touch() if b else path.unlink(missing_ok=True)
+
+
 async def one_pass(runner: Runner, config: BenchConfig, prompts: list, streams: int) -> tuple[int, float]:
     jobs = [Job("load", config, p, concurrency=streams) for p in prompts]
     t = time.perf_counter()
@@ -75,8 +80,7 @@ async def main() -> None:
     mine = {os.getpid()}
     switch_to_b = {"nice": lambda b: set_niceness(10 if b else 0, mine), "rt": set_realtime,
                    "spin": lambda b: set_spin(not b),
-                   "take": lambda b: TAKE_ALWAYS.touch() if b else TAKE_ALWAYS.unlink(missing_ok=True),
-                   "shortspin": lambda b: SHORT_SPIN.touch() if b else SHORT_SPIN.unlink(missing_ok=True)}[switch]  # B on (True) or back to as the cluster runs
+                   "take": file_switch(TAKE_ALWAYS), "shortspin": file_switch(SHORT_SPIN)}[switch]  # B on (True) or back to as the cluster runs
     ratios = []
     async with AsyncSpecServeClient(CLUSTER) as client:
         runner = Runner(client, model=None, max_tokens=128)

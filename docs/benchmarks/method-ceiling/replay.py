@@ -26,6 +26,7 @@ import numpy as np
 sys.path.insert(0, os.getcwd())
 
 TTFT_S = 0.12
+PROBS = (0.1, 0.2, 0.3, 0.4, 0.5)  # min_token_prob values swept
 COSTS = {"tune-half auto fit": (0.0265, 0.00144), "stock servers' fit": (0.025, 0.004)}
 
 
@@ -69,7 +70,7 @@ def main():
     n = len(rows)
     print(f"{n} tune-half prompts, classes: {', '.join(classes)}")
     grid = {f"factor {f} offset {o} min_prob {p}": dict(factor=f, offset=o, prob=p)
-            for f, o, p in itertools.product((1.0, 1.5, 2.0, 3.0), (0.0, 1.0, 2.0), (0.1, 0.3))}
+            for f, o, p in itertools.product((1.0, 1.5, 2.0, 3.0), (0.0, 1.0, 2.0), PROBS)}
     for seed in (1, 2, 3):
         order = list(range(n))
         random.Random(seed).shuffle(order)
@@ -90,6 +91,8 @@ def main():
             line.append("best n-gram / suffix per class " + " ".join(f"{c} {v:.2f}" for c, v in best_ngram.items()))
             best_global = max(knobs, key=lambda k: rate(knobs[k], range(n), cost))
             line.append(f"best single knob setting ({best_global}) {rate(knobs[best_global], range(n), cost) / base:.3f}")
+            line.append("min_prob alone (factor 1.0 offset 0.0) " + " ".join(
+                f"{p} {rate(knobs[f'factor 1.0 offset 0.0 min_prob {p}'], range(n), cost) / base:.3f}" for p in PROBS))
             gains = []
             for rep in range(20):  # per-class knob choice, chosen on one half of the prompts, judged on the other
                 a = set(random.Random(rep).sample(range(n), n // 2))

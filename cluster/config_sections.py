@@ -330,6 +330,10 @@ class SuffixConfig(Strict):
             "bound costs nothing where the match is short; vLLM's own suffix method defaults to the tree depth."))
     max_spec_factor: float = Field(
         1.0, gt=0, le=64, description="A draft is at most this times the matched length long (and at most the request's K).")
+    max_spec_offset: float = Field(
+        0.0, ge=0, le=64,
+        description="A draft may run this many tokens past max_spec_factor x the matched length (still bounded "
+                    "by min_token_prob and the request's K).")
     min_token_prob: float = Field(
         0.1, ge=0, le=1, description="A draft stops at a token whose estimated probability is below this.")
     max_cached_requests: int = Field(

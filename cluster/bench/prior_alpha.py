@@ -113,17 +113,18 @@ def position_acceptance(steps: Iterable[Step]) -> str:
 class SuffixReplay:
     """Replays requests one after another through one suffix cache, as the engine's lookup
     proposer drafts for mode suffix (`cluster.engine.lookup_proposer`). `settings`: the pool's
-    suffix settings (max_tree_depth, max_cached_requests, max_spec_factor, min_token_prob);
-    `max_spec_offset`: arctic-inference's knob the pools leave at its default, for knob sweeps."""
+    suffix settings (max_tree_depth, max_cached_requests, max_spec_factor, max_spec_offset,
+    min_token_prob); `max_spec_offset` given here overrides the settings' (knob sweeps)."""
 
-    def __init__(self, settings, max_spec_offset: float = 0.0):
+    def __init__(self, settings, max_spec_offset: float | None = None):
         # lazy: an optional native extension (scripts/bootstrap.sh builds it); only --method suffix needs it
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
         self.s = settings
         self.cache = SuffixDecodingCache(max_tree_depth=settings.max_tree_depth,
                                          max_cached_requests=settings.max_cached_requests)
-        self.max_spec_offset = max_spec_offset
+        self.max_spec_offset = (getattr(settings, "max_spec_offset", 0.0) if max_spec_offset is None
+                                else max_spec_offset)
         self.n = 0
 
     def steps(self, prompt_ids: Sequence[int], output_ids: Sequence[int], k: int) -> list[Step]:

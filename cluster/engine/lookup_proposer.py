@@ -10,7 +10,7 @@ names none):
   prompt_lookup_min/max as its `ngram` method);
 - `suffix`: arctic-inference's `SuffixDecodingCache`, as vLLM's `suffix` method uses it: a tree
   per prompt and a global tree over earlier requests' outputs; a draft's length follows the match
-  (`max_spec_factor` x the matched length) and stops below `min_token_prob`;
+  (`max_spec_factor` x the matched length + `max_spec_offset`) and stops below `min_token_prob`;
 - K = 0 (mode `none`, or a step whose scheduler allows no drafts, as above the pool's batch bound):
   no lookup at all.
 
@@ -161,6 +161,7 @@ class LookupProposer(NeverRaises):
         suffix = s.get("suffix") or {}
         self.max_tree_depth = int(suffix.get("max_tree_depth", 24))
         self.max_spec_factor = float(suffix.get("max_spec_factor", 1.0))
+        self.max_spec_offset = float(suffix.get("max_spec_offset", 0.0))
         self.min_token_prob = float(suffix.get("min_token_prob", 0.1))
         # lazy: an optional native extension (scripts/bootstrap.sh builds it); only suffix pools load it
         from arctic_inference.suffix_decoding import SuffixDecodingCache
@@ -226,6 +227,7 @@ class LookupProposer(NeverRaises):
             pattern = token_ids_cpu[i, max(0, nums[i] - self.max_tree_depth):nums[i]]
             drafts[i] = list(self.cache.speculate(req_ids[i], pattern, max_spec_tokens=k,
                                                   max_spec_factor=self.max_spec_factor,
+                                                  max_spec_offset=self.max_spec_offset,
                                                   min_token_prob=self.min_token_prob).token_ids)
         return drafts
 

@@ -68,22 +68,38 @@ def test_each_request_drafts_by_its_own_method_up_to_its_own_k():
     assert p.status()["active_requests"] == 3  # every decoding request feeds the trees
 
 
-def test_suffix_drafts_from_an_earlier_requests_output_that_ngram_cannot_see():
-    """The global tree: a second request with a new prompt gets the first one's output as drafts."""
-    p = LookupProposer(vllm_config(k_max=6))
-    out = [40, 41, 42, 43, 44, 45, 46, 47]
+def _second_request_after_first(p: LookupProposer, out: list[int]) -> Runner:
+    """A first request decodes `out` token by token and leaves; a second one (mode suffix, K 6) has a
+    new prompt and `out[:3]` so far."""
     runner = Runner({"first": ([1, 2, 3], [])}, {"first": {EXTRA_ARGS_MODE: "ngram", EXTRA_ARGS_K: 6}})
     p.attach(runner)
-    for n in range(1, len(out) + 1):  # the first request decodes its output token by token
+    for n in range(1, len(out) + 1):
         runner.set({"first": ([1, 2, 3], out[:n])})
         step(p, runner, [[out[n - 1]]])
     second = {EXTRA_ARGS_MODE: "suffix", EXTRA_ARGS_K: 6}
     runner.requests = {"second": SimpleNamespace(sampling_params=SimpleNamespace(extra_args=second))}
-    runner.set({"second": ([9, 8, 7], [40, 41, 42])})  # the first left the batch: its output is cached
+    runner.set({"second": ([9, 8, 7], out[:3])})  # the first left the batch: its output is cached
+    return runner
+
+
+def test_suffix_drafts_from_an_earlier_requests_output_that_ngram_cannot_see():
+    """The global tree: a second request with a new prompt gets the first one's output as drafts."""
+    p = LookupProposer(vllm_config(k_max=6))
+    out = [40, 41, 42, 43, 44, 45, 46, 47]
+    runner = _second_request_after_first(p, out)
     # A draft is at most max_spec_factor (1.0) x the matched length (3) long.
     assert step(p, runner, [[42]])[0] == [43, 44, 45]
     runner.requests["second"].sampling_params.extra_args = {EXTRA_ARGS_MODE: "ngram", EXTRA_ARGS_K: 6}
     assert step(p, runner, [[42]])[0] == []  # its own context has no earlier "42"
+
+
+@pytest.mark.parametrize("offset,expected", [(2.0, [43, 44, 45, 46, 47]), (9.0, [43, 44, 45, 46, 47])])
+def test_max_spec_offset_lengthens_suffix_drafts_past_the_match_up_to_the_output_it_knows(offset, expected):
+    """The pool's `max_spec_offset` reaches the tree: match 3 + offset 2 drafts 5 tokens; a larger
+    offset stops where the cached output ends (47), below the request's K of 6."""
+    p = LookupProposer(vllm_config(k_max=6, suffix={"max_spec_offset": offset}))
+    runner = _second_request_after_first(p, [40, 41, 42, 43, 44, 45, 46, 47])
+    assert step(p, runner, [[42]])[0] == expected
 
 
 def test_forget_drops_finished_outputs_and_keeps_requests_in_flight():
@@ -138,7 +154,8 @@ def test_an_ngram_pool_with_suffix_serves_three_modes_in_one_engine_with_the_loo
     kw = engine_kwargs(pool, "/m", None, "m", cpu_build=True)
     assert kw["worker_extension_cls"] == "cluster.engine.lookup_proposer.LookupWorkerExtension"
     assert kw["additional_config"]["specserve"]["lookup"]["suffix"] == {
-        "max_tree_depth": 24, "max_k": 16, "max_spec_factor": 1.0, "min_token_prob": 0.1, "max_cached_requests": 10000}
+        "max_tree_depth": 24, "max_k": 16, "max_spec_factor": 1.0, "max_spec_offset": 0.0, "min_token_prob": 0.1,
+        "max_cached_requests": 10000}
     plain = parse_config({**CONFIG, "pools": {"ngram": {"model": "m", "method": "ngram", "max_k": 6}}}).pools["ngram"]
     assert speculative_config(plain, None)["method"] == "ngram" and SpecMode.SUFFIX not in plain.modes
 

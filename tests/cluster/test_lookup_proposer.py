@@ -163,6 +163,7 @@ def test_an_ngram_pool_with_suffix_serves_three_modes_in_one_engine_with_the_loo
 @pytest.mark.parametrize("pool,field", [
     ({"method": "eagle", "drafter": "m", "suffix": {}}, "suffix"),
     ({"method": "ngram", "suffix": {"min_token_prob": 2}}, "min_token_prob"),
+    ({"method": "ngram", "suffix": {"max_spec_offset": -1}}, "max_spec_offset"),
     ({"method": "ngram", "suffix": {"prior_alpha": {"poetry": 0.5}}}, "poetry"),
     ({"method": "ngram", "suffix": {"tree_depth": 3}}, "tree_depth"),
     ({"method": "ngram", "suffix": {"prior_draft_rate": {"code": 1.5}}}, "prior_draft_rate"),

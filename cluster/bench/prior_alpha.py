@@ -114,17 +114,15 @@ class SuffixReplay:
     """Replays requests one after another through one suffix cache, as the engine's lookup
     proposer drafts for mode suffix (`cluster.engine.lookup_proposer`). `settings`: the pool's
     suffix settings (max_tree_depth, max_cached_requests, max_spec_factor, max_spec_offset,
-    min_token_prob); `max_spec_offset` given here overrides the settings' (knob sweeps)."""
+    min_token_prob)."""
 
-    def __init__(self, settings, max_spec_offset: float | None = None):
+    def __init__(self, settings):
         # lazy: an optional native extension (scripts/bootstrap.sh builds it); only --method suffix needs it
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
         self.s = settings
         self.cache = SuffixDecodingCache(max_tree_depth=settings.max_tree_depth,
                                          max_cached_requests=settings.max_cached_requests)
-        self.max_spec_offset = (getattr(settings, "max_spec_offset", 0.0) if max_spec_offset is None
-                                else max_spec_offset)
         self.n = 0
 
     def steps(self, prompt_ids: Sequence[int], output_ids: Sequence[int], k: int) -> list[Step]:
@@ -139,7 +137,7 @@ class SuffixReplay:
             seen[0] = len(context)
             return np.asarray(self.cache.speculate(
                 rid, np.asarray(context[-self.s.max_tree_depth:], dtype=np.int32), max_spec_tokens=k,
-                max_spec_factor=self.s.max_spec_factor, max_spec_offset=self.max_spec_offset,
+                max_spec_factor=self.s.max_spec_factor, max_spec_offset=self.s.max_spec_offset,
                 min_token_prob=self.s.min_token_prob).token_ids, dtype=np.int32)
 
         steps = replay(prompt_ids, output_ids, StaticK(k), propose)

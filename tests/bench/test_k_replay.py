@@ -123,8 +123,9 @@ def _suffix_replay(offset: float = 0.0):
 
     from cluster.bench.prior_alpha import SuffixReplay
 
-    knobs = SimpleNamespace(max_tree_depth=24, max_cached_requests=100, max_spec_factor=1.0, min_token_prob=0.1)
-    return SuffixReplay(knobs, max_spec_offset=offset)
+    knobs = SimpleNamespace(max_tree_depth=24, max_cached_requests=100, max_spec_factor=1.0,
+                            max_spec_offset=offset, min_token_prob=0.1)
+    return SuffixReplay(knobs)
 
 
 def test_the_suffix_replay_drafts_a_second_request_from_the_first_ones_answer():

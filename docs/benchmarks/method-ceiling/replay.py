@@ -49,7 +49,7 @@ def main():
         """(output tokens, steps, drafted tokens) per prompt, replayed in `order`: n-gram lookup at
         K = k, or one suffix cache over all of them (the pools' tree depth, these knobs)."""
         suffix = SuffixReplay(SimpleNamespace(max_tree_depth=24, max_cached_requests=10000, max_spec_factor=factor,
-                                              min_token_prob=prob), max_spec_offset=offset) if kind == "suffix" else None
+                                              max_spec_offset=offset, min_token_prob=prob)) if kind == "suffix" else None
         out = {}
         for i in order:
             _, ids, o = rows[i]

@@ -195,14 +195,6 @@ class PoolConfig(Strict):
             "drafting stops paying on the hardware (unset: no bound, the per-step choice alone decides)."
         ),
     )
-    step_k_sure_prob: Optional[float] = Field(
-        None, gt=0, le=1,
-        description=(
-            "With step_k_max_batch: in a larger batch, suffix requests still verify the leading drafts their "
-            "tree gives at least this probability (the draft stops at the first token below it); n-gram "
-            "requests draft nothing there. Unset: no request whose K the engine chooses drafts above the bound."
-        ),
-    )
     stream_chunks_per_step: Optional[int] = Field(
         4, ge=1, le=4096,
         description=(

@@ -12,7 +12,7 @@ from typing import Any, Optional
 from cluster.config import PoolConfig
 from cluster.engine import lookup_proposer, remote_proposer
 from cluster.engine.vllm_scheduler import (ADDITIONAL_CONFIG_KEY, ENGINE_CORE_WAIT_KEY, SCHEDULER_CLS_PATH,
-                                           STEP_K_MAX_BATCH_KEY, STEP_K_SURE_PROB_KEY)
+                                           STEP_K_MAX_BATCH_KEY)
 from cluster.ops.placement import platform_engine_kwargs
 from cluster.speculation import SpecMode
 
@@ -56,8 +56,7 @@ def engine_kwargs(
         speculative_config=speculative_config(pool, drafter_path),
         additional_config={ADDITIONAL_CONFIG_KEY: {
             ENGINE_CORE_WAIT_KEY: pool.engine_core_wait,
-            **({STEP_K_MAX_BATCH_KEY: pool.step_k_max_batch} if pool.step_k_max_batch is not None else {}),
-            **({STEP_K_SURE_PROB_KEY: pool.step_k_sure_prob} if pool.step_k_sure_prob is not None else {})}},
+            **({STEP_K_MAX_BATCH_KEY: pool.step_k_max_batch} if pool.step_k_max_batch is not None else {})}},
         enable_log_requests=False,
     )
     if pool.method == SpecMode.REMOTE_DRAFT:

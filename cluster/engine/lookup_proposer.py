@@ -35,8 +35,7 @@ from typing import Any, Optional, Sequence
 
 from cluster.engine.draft_take import carry_drafts
 from cluster.engine.proposer_base import NeverRaises
-from cluster.engine.vllm_scheduler import (ADDITIONAL_CONFIG_KEY, STEP_K_MAX_BATCH_KEY, STEP_K_SURE_PROB_KEY, above_bound,
-                                           growth_from, requested_k)
+from cluster.engine.vllm_scheduler import ADDITIONAL_CONFIG_KEY, growth_from, requested_k
 from cluster.speculation import EXTRA_ARGS_MODE, SpecMode
 
 log = logging.getLogger("specserve.lookup_proposer")
@@ -113,22 +112,9 @@ def plan_drafts(modes: Sequence[str], ks: Sequence[int], drafting: Sequence[bool
     return DraftPlan(tuple(ngram), max((out[i] for i in ngram), default=0), tuple(suffix), tuple(out))
 
 
-def sure_only(modes: Sequence[str], ks: Sequence[int]) -> list[int]:
-    """Each request's K in a batch above the pool's bound, where only suffix drafts the tree is sure of
-    are verified (`step_k_sure_prob`): a suffix request keeps its K, any other drafts nothing.
-
-    >>> sure_only(["suffix", "ngram", "none", "suffix"], [16, 5, 0, 3])
-    [16, 0, 0, 3]
-    """
-    return [k if mode == SpecMode.SUFFIX.value else 0 for mode, k in zip(modes, ks)]
-
-
-def specserve_settings(vllm_config) -> dict[str, Any]:
-    return dict((vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {}) or {})
-
-
 def lookup_settings(vllm_config) -> dict[str, Any]:
-    return dict(specserve_settings(vllm_config).get(LOOKUP_CONFIG_KEY) or {})
+    extra = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {}) or {}
+    return dict(extra.get(LOOKUP_CONFIG_KEY) or {})
 
 
 def _ngram_proposer(vllm_config, k_max: int, min_n: int, max_n: int):
@@ -177,11 +163,6 @@ class LookupProposer(NeverRaises):
         self.max_spec_factor = float(suffix.get("max_spec_factor", 1.0))
         self.max_spec_offset = float(suffix.get("max_spec_offset", 0.0))
         self.min_token_prob = float(suffix.get("min_token_prob", 0.1))
-        engine = specserve_settings(vllm_config)
-        bound = engine.get(STEP_K_MAX_BATCH_KEY)
-        self.max_batch = int(bound) if bound is not None else None
-        sure = engine.get(STEP_K_SURE_PROB_KEY)  # above the bound: only drafts this likely (None: none)
-        self.sure_prob = float(sure) if sure is not None else None
         # lazy: an optional native extension (scripts/bootstrap.sh builds it); only suffix pools load it
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
@@ -230,9 +211,6 @@ class LookupProposer(NeverRaises):
         req_ids, modes, ks = self._requests(n)
         if self.step_cap is not None:
             ks = [min(k, max(int(self.step_cap), 0)) for k in ks]
-        min_prob = self.min_token_prob
-        if self.sure_prob is not None and above_bound(n, self.max_batch):
-            ks, min_prob = sure_only(modes, ks), max(self.sure_prob, self.min_token_prob)
         nums = [int(num_tokens_no_spec[i]) for i in range(n)]
         plan = plan_drafts(modes, ks, [bool(s) for s in sampled_token_ids], nums, self.max_model_len,
                            has_ngram=self.ngram is not None)
@@ -250,7 +228,7 @@ class LookupProposer(NeverRaises):
             drafts[i] = list(self.cache.speculate(req_ids[i], pattern, max_spec_tokens=k,
                                                   max_spec_factor=self.max_spec_factor,
                                                   max_spec_offset=self.max_spec_offset,
-                                                  min_token_prob=min_prob).token_ids)
+                                                  min_token_prob=self.min_token_prob).token_ids)
         return drafts
 
     def _learn(self, req_ids: list[Optional[str]], sampled_token_ids, nums: list[int]) -> None:

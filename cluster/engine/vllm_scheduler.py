@@ -57,7 +57,6 @@ _ACCEPT = "_specserve_accept"  # (successes, failures) of a per-step-K request's
 # the engine core waits for its workers (`PoolConfig.engine_core_wait`, `cluster.engine.worker_wait`).
 ADDITIONAL_CONFIG_KEY = "specserve"
 STEP_K_MAX_BATCH_KEY = "step_k_max_batch"
-STEP_K_SURE_PROB_KEY = "step_k_sure_prob"  # above the bound, suffix drafts this likely still verify
 ENGINE_CORE_WAIT_KEY = "engine_core_wait"
 KCapTable = Sequence[tuple[int, int]]  # [(min_batch_size, k_cap), ...] sorted by min_batch_size
 
@@ -143,29 +142,16 @@ def drafts_self_limiting(extra_args: Optional[dict[str, Any]]) -> bool:
     return (extra_args or {}).get(EXTRA_ARGS_MODE) == SpecMode.SUFFIX.value
 
 
-def step_ceiling(k_requested: int, k_max: int, batch_size: int, max_batch: Optional[int], sure: bool = False) -> int:
+def step_ceiling(k_requested: int, k_max: int, batch_size: int, max_batch: Optional[int]) -> int:
     """The largest K a per-step-K request may verify this step: its ceiling, or 0 in a batch larger
-    than the pool's `step_k_max_batch` (None: no bound) unless its drafts there are only the sure
-    ones (`sure`: a suffix request in a pool with `step_k_sure_prob`, whose proposer cuts each draft
-    at that probability above the bound).
+    than the pool's `step_k_max_batch` (None: no bound).
 
     >>> step_ceiling(6, 6, 4, 4), step_ceiling(6, 6, 5, 4), step_ceiling(9, 6, 16, None), step_ceiling(3, 6, 1, 0)
     (6, 0, 6, 0)
-    >>> step_ceiling(6, 6, 16, 4, sure=True), step_ceiling(0, 6, 16, 4, sure=True)
-    (6, 0)
     """
-    if max_batch is not None and batch_size > max_batch and not sure:
+    if max_batch is not None and batch_size > max_batch:
         return 0
     return max(0, min(k_requested, k_max))
-
-
-def above_bound(batch_size: int, max_batch: Optional[int]) -> bool:
-    """Whether a batch is larger than the pool's `step_k_max_batch` (None: no bound).
-
-    >>> above_bound(12, 11), above_bound(11, 11), above_bound(500, None)
-    (True, False, False)
-    """
-    return max_batch is not None and batch_size > max_batch
 
 
 def step_shape(num_scheduled_tokens: dict[str, int], spec_tokens: Optional[dict[str, list]]) -> Optional[tuple[int, int]]:
@@ -257,7 +243,6 @@ def _make_scheduler_cls():
             self.k_cap_table = sorted((int(a), int(b)) for a, b in table) if table else None
             max_batch = extra.get(STEP_K_MAX_BATCH_KEY)
             self.step_k_max_batch = int(max_batch) if max_batch is not None else None
-            self.step_k_sure = extra.get(STEP_K_SURE_PROB_KEY) is not None
             if extra.get(ENGINE_CORE_WAIT_KEY) == "block":  # this process is the engine core
                 block_on_replies()
             skip_empty_takes()  # this process is the engine core: drafts carried back or not needed, no fetch
@@ -270,8 +255,7 @@ def _make_scheduler_cls():
             extra = request.sampling_params.extra_args if request.sampling_params is not None else None
             k_req = requested_k(extra, self.num_spec_tokens)
             if step_alpha_from(extra) is not None:  # its ceiling; update_draft_token_ids picks
-                return step_ceiling(k_req, self.num_spec_tokens, batch_size, self.step_k_max_batch,
-                                    sure=self.step_k_sure and drafts_self_limiting(extra))
+                return step_ceiling(k_req, self.num_spec_tokens, batch_size, self.step_k_max_batch)
             table = cap_table_from(extra) or self.k_cap_table
             k_state = getattr(request, _K_STATE, None)
             growth = growth_from(extra) if ahead else None

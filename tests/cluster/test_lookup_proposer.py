@@ -18,15 +18,14 @@ from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_MODE, SpecMode
 MAX_LEN = 64
 
 
-def vllm_config(k_max=4, ngram=True, suffix=None, engine=None):
+def vllm_config(k_max=4, ngram=True, suffix=None):
     return SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=k_max),
         model_config=SimpleNamespace(max_model_len=MAX_LEN),
         scheduler_config=SimpleNamespace(max_num_seqs=8),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
         additional_config={"specserve": {"lookup": {"method": "ngram" if ngram else "suffix", "ngram": ngram,
-                                                    "ngram_min": 1, "ngram_max": 3, "suffix": suffix or {}},
-                                          **(engine or {})}},
+                                                    "ngram_min": 1, "ngram_max": 3, "suffix": suffix or {}}}},
     )
 
 
@@ -101,32 +100,6 @@ def test_max_spec_offset_lengthens_suffix_drafts_past_the_match_up_to_the_output
     p = LookupProposer(vllm_config(k_max=6, suffix={"max_spec_offset": offset}))
     runner = _second_request_after_first(p, [40, 41, 42, 43, 44, 45, 46, 47])
     assert step(p, runner, [[42]])[0] == expected
-
-
-def test_above_the_batch_bound_suffix_drafts_stop_at_the_sure_probability_and_ngram_drafts_nothing():
-    """`step_k_sure_prob`: two earlier outputs agree on "43 44" after "40 41 42" and then part (45 or
-    60: probability 0.5 each). In a batch above `step_k_max_batch` a suffix request drafts only the
-    sure "43 44" and an n-gram request nothing; at or below the bound the draft runs on."""
-    engine = {"step_k_max_batch": 1, "step_k_sure_prob": 0.8}
-    p = LookupProposer(vllm_config(k_max=6, suffix={"max_spec_factor": 2.0}, engine=engine))
-    runner = Runner({"first": ([1, 2, 3], [])}, {})
-    p.attach(runner)
-    for rid, out in (("a", [40, 41, 42, 43, 44, 45, 46]), ("b", [40, 41, 42, 43, 44, 60, 61])):
-        runner.requests = {rid: SimpleNamespace(sampling_params=SimpleNamespace(extra_args={EXTRA_ARGS_K: 0}))}
-        for n in range(1, len(out) + 1):
-            runner.set({rid: ([1, 2, 3], out[:n])})
-            step(p, runner, [[out[n - 1]]])
-    suffix, ngram = {EXTRA_ARGS_MODE: "suffix", EXTRA_ARGS_K: 6}, {EXTRA_ARGS_MODE: "ngram", EXTRA_ARGS_K: 6}
-    runner.requests = {r: SimpleNamespace(sampling_params=SimpleNamespace(extra_args=e))
-                       for r, e in (("s", suffix), ("n", {**ngram}))}
-    runner.set({"s": ([9, 8, 7], [40, 41, 42]), "n": ([41, 42, 5], [40, 41, 42])})
-    drafts = step(p, runner, [[42], [42]])
-    assert drafts == [[43, 44], []]
-    runner.set({"s": ([9, 8, 7], [40, 41, 42, 43])})  # alone in the batch: at the bound
-    draft = step(p, runner, [[43]])[0]
-    assert draft[0] == 44 and draft[1] in (45, 60)  # past the sure tokens
-    runner.set({"n": ([41, 42, 5], [40, 41, 42])})
-    assert step(p, runner, [[42]])[0][:2] == [5, 40]  # "41 42" continues "5 40" in its prompt
 
 
 def test_forget_drops_finished_outputs_and_keeps_requests_in_flight():

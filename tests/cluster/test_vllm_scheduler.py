@@ -137,7 +137,7 @@ def _scheduler(monkeypatch, requests: dict):
     cls = vllm_scheduler.PerRequestKScheduler
     sched = cls.__new__(cls)
     sched.requests, sched.running, sched.num_spec_tokens, sched.k_cap_table = requests, list(requests.values()), 6, None
-    sched.step_cost, sched._step_started, sched.step_k_max_batch, sched.step_k_sure = StepCost(), None, None, False
+    sched.step_cost, sched._step_started, sched.step_k_max_batch = StepCost(), None, None
     return sched
 
 
@@ -302,21 +302,3 @@ def test_suffix_requests_keep_the_drafts_their_tree_found_up_to_the_ceiling_and_
     assert _step(capped, {"suffix": 4}, offered_n=12)["suffix"] == 4  # the router's K stays a ceiling
     sched.step_k_max_batch = 1
     assert set(_step(sched, {"suffix": 0, "ngram": 0}, offered_n=12).values()) == {0}
-
-
-def test_above_the_bound_with_a_sure_probability_only_suffix_requests_keep_their_drafts(monkeypatch):
-    """`step_k_sure_prob`: above `step_k_max_batch` the proposer cuts suffix drafts at that probability,
-    so the scheduler asks it for drafts and keeps a suffix request's whole (up to its ceiling); an
-    n-gram request beside it still verifies nothing there; without suffix requests nothing is asked."""
-    reqs = {"suffix": _Req({"specserve_k": 16, "specserve_k_step": 0.3, "specserve_mode": "suffix"}),
-            "ngram": _Req({"specserve_k": 16, "specserve_k_step": 0.3, "specserve_mode": "ngram"})}
-    sched = _scheduler(monkeypatch, reqs)
-    sched.num_spec_tokens, sched.step_k_max_batch, sched.step_k_sure = 16, 1, True
-    assert sched.schedule().num_spec_tokens_to_schedule > 0
-    ks = _step(sched, {"suffix": 0, "ngram": 0}, offered_n=5)
-    assert ks == {"suffix": 5, "ngram": 0}
-    sched.step_k_sure = False
-    assert set(_step(sched, {"suffix": 0, "ngram": 0}, offered_n=5).values()) == {0}
-    only_ngram = _scheduler(monkeypatch, {"ngram": reqs["ngram"], "n2": _Req({"specserve_k": 16, "specserve_k_step": 0.3})})
-    only_ngram.step_k_max_batch, only_ngram.step_k_sure = 1, True
-    assert only_ngram.schedule().num_spec_tokens_to_schedule == 0

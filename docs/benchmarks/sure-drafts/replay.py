@@ -1,0 +1,48 @@
+"""Above the batch bound, how many suffix drafts is the tree sure of? Tune half of Spec-Bench only.
+
+    .venv/bin/python docs/benchmarks/sure-drafts/replay.py [--outputs /tmp/tune_outputs.json]
+
+Greedy outputs (128 tokens) of the tune halves, as `../method-ceiling/replay.py` makes them (its
+`--outputs` file); the Spec-Bench rows are replayed through one suffix cache in 3 shuffled orders
+(`cluster.bench.prior_alpha.SuffixReplay`, K 16) with `min_token_prob` cut at each value: tokens a
+step yields, drafts a step verifies, and the share of drafts accepted.
+"""
+
+import argparse
+import json
+import os
+import random
+import sys
+from types import SimpleNamespace
+
+sys.path.insert(0, os.getcwd())
+
+SPEC_BENCH_ROWS = 119  # the tune half of specbench-dev.jsonl comes first in the outputs file
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--outputs", default="/tmp/tune_outputs.json")
+    args = ap.parse_args()
+    from cluster.bench.prior_alpha import SuffixReplay
+
+    rows = json.load(open(args.outputs))[:SPEC_BENCH_ROWS]
+    for p in (0.5, 0.6, 0.7, 0.8, 0.9, 0.95):
+        toks = steps = drafted = accepted = 0
+        for seed in (0, 1, 2):
+            order = list(range(len(rows)))
+            random.Random(seed).shuffle(order)
+            s = SuffixReplay(SimpleNamespace(max_tree_depth=24, max_cached_requests=10000, max_spec_factor=1.0,
+                                             max_spec_offset=0.0, min_token_prob=p))
+            for i in order:
+                _, ids, out = rows[i]
+                st = s.steps(ids, out, 16)
+                toks, steps = toks + len(out), steps + len(st)
+                drafted += sum(x.drafted for x in st)
+                accepted += sum(x.accepted for x in st)
+        print(f"min_token_prob {p}: tokens/step {toks / steps:.3f}  drafts/step {drafted / steps:.3f}  "
+              f"accepted/drafted {accepted / max(drafted, 1):.3f}")
+
+
+if __name__ == "__main__":
+    main()

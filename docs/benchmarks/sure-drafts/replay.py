@@ -17,16 +17,19 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.getcwd())
 
-SPEC_BENCH_ROWS = 119  # the tune half of specbench-dev.jsonl comes first in the outputs file
-
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--outputs", default="/tmp/tune_outputs.json")
     args = ap.parse_args()
+    if not os.path.exists(args.outputs):
+        sys.exit(f"{args.outputs}: run docs/benchmarks/method-ceiling/replay.py first (it writes the greedy outputs)")
     from cluster.bench.prior_alpha import SuffixReplay
+    from cluster.bench.split import TUNE, keep
+    from cluster.bench.workload import load_prompts
 
-    rows = json.load(open(args.outputs))[:SPEC_BENCH_ROWS]
+    # The Spec-Bench tune half comes first in the outputs file (the repeated-structure one after it).
+    rows = json.load(open(args.outputs))[:len(keep(load_prompts("cluster/data/specbench-dev.jsonl"), TUNE))]
     for p in (0.5, 0.6, 0.7, 0.8, 0.9, 0.95):
         toks = steps = drafted = accepted = 0
         for seed in (0, 1, 2):

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from cluster.config import ClusterConfig, RedisConfig, DrafterDeploymentConfig, PoolConfig
 from cluster.config_sections import RAY_BUILTIN_RESOURCES
+from cluster.engine.sampling_fix import ENV as SAMPLING_FIX_ENV
 
 # Registered through cluster.api.grpc_ingress so that undecodable bodies become INVALID_ARGUMENT.
 GRPC_SERVICER_FUNCTIONS = [
@@ -259,7 +260,8 @@ def engine_deployment_options(name: str, pool: PoolConfig, platform_env: Optiona
                               redis: Optional[RedisConfig] = None) -> dict[str, Any]:
     """`serve.deployment(...).options(**this)` for pool `name` (`redis`: see goodput_policy_options)."""
     first = pool.bundles[0]
-    env = {**(platform_env or {}), **pool.env}
+    # SAMPLING_FIX_ENV: sampled speculative decoding made exact on vLLM's CPU build (cluster.engine.sampling_fix)
+    env = {**(platform_env or {}), SAMPLING_FIX_ENV: "1", **pool.env}
     opts: dict[str, Any] = dict(
         name=engine_deployment_name(name),
         max_ongoing_requests=pool.max_ongoing_requests,

@@ -45,8 +45,7 @@ import vllm._custom_ops  # loads torch.ops._C
 from vllm.v1.sample import rejection_sampler as rs
 from vllm.v1.sample.metadata import SamplingMetadata
 from cluster.engine import sampling_fix
-if sys.argv[1] == "fix":
-    assert sampling_fix.install()
+assert sampling_fix.install()
 out = {"expanded": rs.expand_batch_to_tokens(torch.tensor([0.7, 1.0, 0.5]), torch.tensor([2, 5, 6], dtype=torch.int32),
                                              6, replace_from=rs.GREEDY_TEMPERATURE, replace_to=1).tolist()}
 # one draft token per request at temperature 0.5: the first output token, accepted or replaced
@@ -68,8 +67,8 @@ print(json.dumps(out))
 """
 
 
-def _sampler(variant: str) -> dict:
-    run = subprocess.run([sys.executable, "-c", _SAMPLER, variant], capture_output=True, text=True, timeout=300,
+def _sampler() -> dict:
+    run = subprocess.run([sys.executable, "-c", _SAMPLER], capture_output=True, text=True, timeout=300,
                          cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
@@ -82,7 +81,7 @@ def test_installed_the_rejection_sampler_samples_the_tempered_target():
     """The per-token temperature is the request's, and with one draft token per request at
     temperature 0.5 the first output token of 20,000 requests is distributed as
     softmax(logits / 0.5), whether the draft was accepted or replaced."""
-    out = _sampler("fix")
+    out = _sampler()
     assert out["expanded"] == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.0, 0.5])
     assert out["freq"] == pytest.approx(out["expected"], abs=0.015)
 

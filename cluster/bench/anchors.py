@@ -160,10 +160,16 @@ def ngram_spec(pool: PoolConfig, k: int, table: Optional[list] = None) -> dict:
 
 
 def default_baselines(pool: PoolConfig) -> list[Baseline]:
-    """stock-none, stock-ngram:K for K in 1..the pool's max_k, and stock-table (n-gram, K by batch
-    size per DEFAULT_K_TABLE, num_speculative_tokens its top K)."""
+    """stock-none, stock-ngram:K for K in 1..the pool's max_k, stock-table (n-gram, K by batch
+    size per DEFAULT_K_TABLE, num_speculative_tokens its top K) and, when the pool also drafts by
+    suffix tree (`suffix:` set), stock-suffix: what a vLLM user would run for the same method."""
     ngram = [Baseline(f"stock-ngram:{k}", ngram_spec(pool, k)) for k in range(1, pool.max_k + 1)]
-    return [Baseline("stock-none")] + ngram + [table_baseline(pool)]
+    return [Baseline("stock-none")] + ngram + [table_baseline(pool)] + ([suffix_baseline()] if pool.suffix else [])
+
+
+def suffix_baseline() -> Baseline:
+    """What `{"method": "suffix"}` gives a vLLM user: its defaults (K = the tree depth)."""
+    return Baseline("stock-suffix", {"method": "suffix"})
 
 
 def table_baseline(pool: PoolConfig) -> Baseline:
@@ -186,8 +192,8 @@ def parse_baselines(text: str, pool: Optional[PoolConfig], pool_name: str = "?")
             picked = [Baseline("stock-none")]
         elif token == "table":
             picked = [table_baseline(pool)]
-        elif token == "suffix":  # what `{"method": "suffix"}` gives a vLLM user: its defaults (K = tree depth)
-            picked = [Baseline("stock-suffix", {"method": "suffix"})]
+        elif token == "suffix":
+            picked = [suffix_baseline()]
         elif token == "ngram:*":
             picked = [Baseline(f"stock-ngram:{k}", ngram_spec(pool, k)) for k in range(1, pool.max_k + 1)]
         elif re.fullmatch(r"ngram:[1-9][0-9]*", token):

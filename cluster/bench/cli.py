@@ -127,7 +127,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "--baseline-pool's engine and stops it at the end; it runs in every phase like a configuration.")
     g("--baselines", default=None,
       help="Shorthand baselines, comma list: default (stock-none, stock-ngram:K for K = 1..max_k, "
-           "stock-table: n-gram with vLLM's K-by-batch-size table), none, ngram:K, ngram:*, table.")
+           "stock-table: n-gram with vLLM's K-by-batch-size table, and stock-suffix when the pool sets "
+           "suffix:), none, ngram:K, ngram:*, table, suffix (vLLM's SuffixDecoding with its defaults).")
     g("--baseline-url", action="append", default=[], metavar="NAME=URL",
       help="A stock server already running (repeatable; neither started nor stopped by the bench).")
     g("--config", default=str(DEFAULT_CONFIG), help="The cluster's config (the baselines copy one of its pools).")

@@ -64,11 +64,13 @@ def test_baseline_url_errors():
 
 def test_default_set_from_the_ngram_pool(ngram_pool):
     got = A.default_baselines(ngram_pool)
-    assert [b.name for b in got] == ["stock-none"] + [f"stock-ngram:{k}" for k in range(1, 7)] + ["stock-table"]
+    assert [b.name for b in got] == (["stock-none"] + [f"stock-ngram:{k}" for k in range(1, 7)]
+                                     + ["stock-table", "stock-suffix"])  # the pool drafts by suffix tree too
+    assert got[-1].speculative_config == {"method": "suffix"}
     assert got[0].speculative_config is None
     assert got[3].speculative_config == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                          "prompt_lookup_max": 5}
-    table = got[-1].speculative_config
+    table = got[-2].speculative_config
     assert table["num_speculative_tokens"] == 3 and table["prompt_lookup_min"] == 1
     assert table["num_speculative_tokens_per_batch_size"] == [[1, 4, 3], [5, 11, 1], [12, 64, 0]]
     A.check_k_table(table)  # what vLLM accepts, top K = num_speculative_tokens

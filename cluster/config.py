@@ -188,12 +188,14 @@ class PoolConfig(Strict):
     )
     step_k_max_batch: Optional[int] = Field(
         None, ge=0, le=4096,
-        description=(
-            "With step_k: the largest number of running requests at which the engine verifies drafts for "
-            "requests whose K it chooses; in a larger batch they decode plainly and the proposer is not "
-            "asked for drafts (requests with a caller's K keep it). Set it where measurement shows "
-            "drafting stops paying on the hardware (unset: no bound, the per-step choice alone decides)."
-        ),
+        description="With step_k: the batch bound the engine starts from: above this many running requests, requests "
+                    "whose K it chooses decode plainly (a caller's K is kept); with step_k_explore > 0 it then learns "
+                    "per batch size which is faster (cluster/engine/draft_gate.py). Unset: drafting everywhere at first.",
+    )
+    step_k_explore: float = Field(
+        0.2, ge=0.0, le=1.0,
+        description=("With step_k: the chance a step tries the arm (drafting or plain) the bound does not pick, "
+                     "until a batch size has steps of both; then their measured tokens/s decide. 0: the bound alone."),
     )
     stream_chunks_per_step: Optional[int] = Field(
         4, ge=1, le=4096,

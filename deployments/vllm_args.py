@@ -12,7 +12,7 @@ from typing import Any, Optional
 from cluster.config import PoolConfig
 from cluster.engine import lookup_proposer, remote_proposer
 from cluster.engine.vllm_scheduler import (ADDITIONAL_CONFIG_KEY, ENGINE_CORE_WAIT_KEY, SCHEDULER_CLS_PATH,
-                                           STEP_K_MAX_BATCH_KEY)
+                                           STEP_K_EXPLORE_KEY, STEP_K_MAX_BATCH_KEY)
 from cluster.ops.placement import platform_engine_kwargs
 from cluster.speculation import SpecMode
 
@@ -55,7 +55,7 @@ def engine_kwargs(
         per_request_spec_decode_metrics="detailed",  # per-step drafted counts -> per-position rates
         speculative_config=speculative_config(pool, drafter_path),
         additional_config={ADDITIONAL_CONFIG_KEY: {
-            ENGINE_CORE_WAIT_KEY: pool.engine_core_wait,
+            ENGINE_CORE_WAIT_KEY: pool.engine_core_wait, STEP_K_EXPLORE_KEY: pool.step_k_explore,
             **({STEP_K_MAX_BATCH_KEY: pool.step_k_max_batch} if pool.step_k_max_batch is not None else {})}},
         enable_log_requests=False,
     )

@@ -31,6 +31,11 @@ steps (`StepCost`: from the end of `schedule` to `update_from_output`, the model
 sampling and drafting). Requests with a fixed K keep it and count in the step's cost, and so do
 suffix-mode requests, whose drafts are self-limiting (`drafts_self_limiting`) up to their ceiling.
 
+Before each step the draft gate (`cluster.engine.draft_gate`) says whether those per-step-K
+requests may verify drafts at all at the current batch size; it learns from every decode step it
+governed (`gate_step`): the tokens the step yielded and the engine core's whole cycle from that
+step's `schedule` to the next.
+
 Verification and rejection sampling are vLLM's own, so the output distribution is unchanged.
 The decisions are the pure functions `effective_k`, `grown_effective_k` and `next_k`; the class
 only wires them into vLLM.
@@ -39,9 +44,11 @@ only wires them into vLLM.
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from typing import Any, Optional, Sequence
 
+from cluster.engine.draft_gate import DraftGate, bucket_label, bucket_of
 from cluster.engine.draft_take import ASKED_ATTR, CARRIED_ATTR, carried_from, skip_empty_takes
 from cluster.engine.worker_wait import block_on_replies
 from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP, EXTRA_ARGS_MODE, SpecMode
@@ -52,12 +59,17 @@ from cluster.engine.step_k import (PRIOR_RELATIVE_COST, RequestDrafts, StepCost,
 # effective K its latest drafts were trimmed to.
 _K_STATE, _K_USED = "_specserve_k_state", "_specserve_k_used"
 _ACCEPT = "_specserve_accept"  # (successes, failures) of a per-step-K request's recent drafts
-# Key under vLLM's `additional_config` holding specserve's engine-side settings, the setting
-# that bounds the batch at which per-step-K requests draft (`PoolConfig.step_k_max_batch`), and how
+# Key under vLLM's `additional_config` holding specserve's engine-side settings, the settings of
+# the batch at which per-step-K requests draft (`PoolConfig.step_k_max_batch`, `step_k_explore`), and how
 # the engine core waits for its workers (`PoolConfig.engine_core_wait`, `cluster.engine.worker_wait`).
 ADDITIONAL_CONFIG_KEY = "specserve"
 STEP_K_MAX_BATCH_KEY = "step_k_max_batch"
+STEP_K_EXPLORE_KEY = "step_k_explore"  # `PoolConfig.step_k_explore`: the draft gate's learning (0: the bound alone)
 ENGINE_CORE_WAIT_KEY = "engine_core_wait"
+GATE_LOG_EVERY_S = 120.0  # how often the engine core logs the draft gate's table
+
+# Under vLLM's logger: the scheduler runs in the engine core's process, where only vLLM configures logging.
+log = logging.getLogger("vllm.specserve.scheduler")
 KCapTable = Sequence[tuple[int, int]]  # [(min_batch_size, k_cap), ...] sorted by min_batch_size
 
 
@@ -142,16 +154,36 @@ def drafts_self_limiting(extra_args: Optional[dict[str, Any]]) -> bool:
     return (extra_args or {}).get(EXTRA_ARGS_MODE) == SpecMode.SUFFIX.value
 
 
-def step_ceiling(k_requested: int, k_max: int, batch_size: int, max_batch: Optional[int]) -> int:
-    """The largest K a per-step-K request may verify this step: its ceiling, or 0 in a batch larger
-    than the pool's `step_k_max_batch` (None: no bound).
+def step_ceiling(k_requested: int, k_max: int, drafting: bool) -> int:
+    """The largest K a per-step-K request may verify this step: its ceiling, or 0 in a step the draft
+    gate runs plainly (`cluster.engine.draft_gate`).
 
-    >>> step_ceiling(6, 6, 4, 4), step_ceiling(6, 6, 5, 4), step_ceiling(9, 6, 16, None), step_ceiling(3, 6, 1, 0)
+    >>> step_ceiling(6, 6, True), step_ceiling(6, 6, False), step_ceiling(9, 6, True), step_ceiling(-1, 6, True)
     (6, 0, 6, 0)
     """
-    if max_batch is not None and batch_size > max_batch:
-        return 0
-    return max(0, min(k_requested, k_max))
+    return max(0, min(k_requested, k_max)) if drafting else 0
+
+
+def gate_step(num_scheduled_tokens: dict[str, int], spec_tokens: Optional[dict[str, list]],
+              governed: dict[str, bool]) -> Optional[int]:
+    """The batch size of a step the draft gate may learn from, else None: a decode-only step
+    (`step_shape`) with at least one request whose K the engine chooses (`governed`), and no drafts
+    from a request with a caller's K (those drafts are not the gate's to choose, and would be
+    counted against the arm).
+
+    >>> gate_step({"a": 1, "b": 3}, {"b": [5, 6]}, {"a": True, "b": True})
+    2
+    >>> gate_step({"a": 1, "b": 3}, {"b": [5, 6]}, {"a": True, "b": False}) is None  # a caller's drafts
+    True
+    >>> gate_step({"a": 1, "b": 1}, {}, {"a": False, "b": False}) is None  # no request the gate governs
+    True
+    """
+    shape = step_shape(num_scheduled_tokens, spec_tokens)
+    if shape is None or not any(governed.get(r, False) for r in num_scheduled_tokens):
+        return None
+    if any((spec_tokens or {}).get(r) and not governed.get(r, False) for r in num_scheduled_tokens):
+        return None
+    return shape[0]
 
 
 def step_shape(num_scheduled_tokens: dict[str, int], spec_tokens: Optional[dict[str, list]]) -> Optional[tuple[int, int]]:
@@ -239,13 +271,24 @@ def _make_scheduler_cls():
             super().__init__(vllm_config, *args, **kwargs)
             # The engine deployment passes its load cap in vLLM's free-form `additional_config`.
             extra = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {})
-            table = extra.get("k_cap_by_batch") or None
-            self.k_cap_table = sorted((int(a), int(b)) for a, b in table) if table else None
-            max_batch = extra.get(STEP_K_MAX_BATCH_KEY)
-            self.step_k_max_batch = int(max_batch) if max_batch is not None else None
+            self.start_state(extra)
             if extra.get(ENGINE_CORE_WAIT_KEY) == "block":  # this process is the engine core
                 block_on_replies()
             skip_empty_takes()  # this process is the engine core: drafts carried back or not needed, no fetch
+
+        def start_state(self, extra: dict[str, Any]) -> None:
+            """specserve's own state, from its `additional_config` entry: the load cap table, the
+            step-time line and the draft gate."""
+            table = extra.get("k_cap_by_batch") or None
+            self.k_cap_table = sorted((int(a), int(b)) for a, b in table) if table else None
+            max_batch = extra.get(STEP_K_MAX_BATCH_KEY)
+            self.gate = DraftGate(prior_max_batch=int(max_batch) if max_batch is not None else None,
+                                  explore=float(extra.get(STEP_K_EXPLORE_KEY, 0.0)))
+            self._draft_next = self.gate.prior(1)  # the gate's arm for the drafts verified in the next step
+            # The gate's step in flight: [perf_counter at its schedule, requests, drafting, tokens once judged]
+            self._gate_step: Optional[list] = None
+            self._gate_logged = time.monotonic()
+            self._gate_compared: set[int] = set()  # buckets whose first comparison was logged
             self.step_cost = StepCost()
             self._step_started: Optional[tuple[float, int, int]] = None  # (perf_counter, requests, drafts)
 
@@ -255,7 +298,7 @@ def _make_scheduler_cls():
             extra = request.sampling_params.extra_args if request.sampling_params is not None else None
             k_req = requested_k(extra, self.num_spec_tokens)
             if step_alpha_from(extra) is not None:  # its ceiling; update_draft_token_ids picks
-                return step_ceiling(k_req, self.num_spec_tokens, batch_size, self.step_k_max_batch)
+                return step_ceiling(k_req, self.num_spec_tokens, self._draft_next)
             table = cap_table_from(extra) or self.k_cap_table
             k_state = getattr(request, _K_STATE, None)
             growth = growth_from(extra) if ahead else None
@@ -292,10 +335,13 @@ def _make_scheduler_cls():
 
         def update_from_output(self, scheduler_output, model_runner_output):
             setattr(self, CARRIED_ATTR, carried_from(model_runner_output))  # the drafts the worker sent along
+            now = time.perf_counter()
             if self._step_started is not None:  # the decode step just run: its time to the cost line
                 t0, n_req, n_drafts = self._step_started
                 self._step_started = None
-                self.step_cost.observe(n_req, n_drafts, time.perf_counter() - t0)
+                self.step_cost.observe(n_req, n_drafts, now - t0)
+            if self._gate_step is not None and self._gate_step[3] is None:  # its tokens, for the gate's arm
+                self._gate_step[3] = sum(len(t) for t in model_runner_output.sampled_token_ids)
             # Before vLLM's own bookkeeping: the K state of growing requests and the acceptance of
             # per-step-K ones from this step's outcome (drafts scheduled, tokens sampled:
             # accepted = sampled - 1, as vLLM counts them).
@@ -328,13 +374,28 @@ def _make_scheduler_cls():
             return super().update_from_output(scheduler_output, model_runner_output)
 
         def schedule(self, *args, **kwargs):
+            # The gate's last step is done when the next one is scheduled: its time is the engine
+            # core's whole cycle (forward, sampling, drafting, and the bookkeeping of what it
+            # yielded), not only the worker's part of it.
+            cycle_start = time.perf_counter()
+            if self._gate_step is not None:
+                t0, n_req, drafting, tokens = self._gate_step
+                self._gate_step = None
+                if tokens:
+                    self.gate.observe(n_req, drafting, tokens, cycle_start - t0)
+                    self._log_gate(n_req)
             output = super().schedule(*args, **kwargs)
+            # This step verifies what the gate's last arm let through: measure it for that arm.
+            governed = {r: step_alpha_from(self._extra(r)) is not None for r in output.num_scheduled_tokens}
+            gate_n = gate_step(output.num_scheduled_tokens, output.scheduled_spec_decode_tokens, governed)
+            drafting_now = self._draft_next
             if self.num_spec_tokens and self.running:
                 # The drafts proposed in this step are verified in the next one, after this step's
                 # outcome has moved a growing request's K: draft for the K it may then have (drafting
                 # for the current K made each grown step verify the old K's drafts, which read as a
-                # short match and reset the K, so nothing grew).
+                # short match and reset the K, so nothing grew). The gate picks the next step's arm.
                 batch_size = len(self.running)
+                self._draft_next = self.gate.allows(batch_size)
                 k_batch = max(self._k_for(r, batch_size, ahead=True) for r in self.running)
                 output.num_spec_tokens_to_schedule = min(output.num_spec_tokens_to_schedule, k_batch)
             # The cost line is of steps after which the proposer drafts (those the K choice is for):
@@ -342,8 +403,27 @@ def _make_scheduler_cls():
             shape = step_shape(output.num_scheduled_tokens, output.scheduled_spec_decode_tokens)
             proposing = getattr(output, "num_spec_tokens_to_schedule", 0) > 0
             setattr(self, ASKED_ATTR, proposing)  # nothing to fetch after a step that asked for no drafts
-            self._step_started = None if shape is None or not proposing else (time.perf_counter(), *shape)
+            t0 = time.perf_counter()
+            self._step_started = None if shape is None or not proposing else (t0, *shape)
+            self._gate_step = None if gate_n is None else [cycle_start, gate_n, drafting_now, None]
             return output
+
+        def _extra(self, req_id: str) -> Optional[dict[str, Any]]:
+            request = self.requests.get(req_id)
+            return request.sampling_params.extra_args if request is not None and request.sampling_params is not None else None
+
+        def _log_gate(self, batch_size: int) -> None:
+            """When the arms at a batch size are first compared by measurement, and every
+            GATE_LOG_EVERY_S, the gate's table to the engine's log."""
+            bucket = bucket_of(batch_size)
+            if bucket not in self._gate_compared and self.gate.compares(batch_size):
+                self._gate_compared.add(bucket)
+                row = next(r for r in self.gate.table() if r["batch"] == bucket_label(bucket))
+                log.info("draft gate: batch %s now compares its arms: %s", row["batch"], row)
+            now = time.monotonic()
+            if now - self._gate_logged >= GATE_LOG_EVERY_S and self.gate.arms:
+                self._gate_logged = now
+                log.info("draft gate (per batch size: steps, tokens/s of each arm): %s", self.gate.table())
 
     return PerRequestKScheduler
 

@@ -1,7 +1,7 @@
 import pytest
 
 from cluster.speculation import EXTRA_ARGS_K
-from cluster.engine.step_k import StepCost
+from cluster.engine.draft_gate import DraftGate
 from cluster.engine.vllm_scheduler import effective_k, k_cap_for_batch, requested_k
 
 TABLE = [(1, 6), (4, 3), (16, 0)]
@@ -136,8 +136,8 @@ def _scheduler(monkeypatch, requests: dict):
         num_spec_tokens_to_schedule=6, num_scheduled_tokens={}, scheduled_spec_decode_tokens={}))
     cls = vllm_scheduler.PerRequestKScheduler
     sched = cls.__new__(cls)
-    sched.requests, sched.running, sched.num_spec_tokens, sched.k_cap_table = requests, list(requests.values()), 6, None
-    sched.step_cost, sched._step_started, sched.step_k_max_batch = StepCost(), None, None
+    sched.requests, sched.running, sched.num_spec_tokens = requests, list(requests.values()), 6
+    sched.start_state({})  # no cap table, no batch bound, the gate not learning
     return sched
 
 
@@ -272,14 +272,14 @@ def test_above_the_pools_batch_bound_per_step_k_requests_neither_draft_nor_ask_t
     a caller's fixed K is kept; at or below the bound the per-step choice decides again."""
     reqs = {f"r{i}": _Req({"specserve_k": 6, "specserve_k_step": 0.9}) for i in range(5)}
     sched = _scheduler(monkeypatch, reqs)
-    sched.step_k_max_batch = 4
+    sched.gate = DraftGate(prior_max_batch=4, explore=0.0)
     assert sched.schedule().num_spec_tokens_to_schedule == 0
     assert set(_step(sched, {r: 6 for r in reqs}).values()) == {0}
     sched.running = sched.running[:4]
     assert sched.schedule().num_spec_tokens_to_schedule == 6
     assert max(_step(sched, {r: 6 for r in reqs}).values()) >= 1
     mixed = _scheduler(monkeypatch, {**reqs, "fixed": _Req({"specserve_k": 2})})
-    mixed.step_k_max_batch = 4
+    mixed.gate = DraftGate(prior_max_batch=4, explore=0.0)
     assert mixed.schedule().num_spec_tokens_to_schedule == 2
     ks = _step(mixed, {r: 2 for r in mixed.requests})
     assert ks["fixed"] == 2 and all(ks[r] == 0 for r in reqs)
@@ -300,5 +300,59 @@ def test_suffix_requests_keep_the_drafts_their_tree_found_up_to_the_ceiling_and_
     assert ks["suffix"] == 12
     capped = _scheduler(monkeypatch, {"suffix": _Req({"specserve_k": 4, "specserve_k_step": 0.3, "specserve_mode": "suffix"})})
     assert _step(capped, {"suffix": 4}, offered_n=12)["suffix"] == 4  # the router's K stays a ceiling
-    sched.step_k_max_batch = 1
+    sched.gate = DraftGate(prior_max_batch=1, explore=0.0)
     assert set(_step(sched, {"suffix": 0, "ngram": 0}, offered_n=12).values()) == {0}
+
+
+def _decode_step(monkeypatch, sched, scheduled: dict[str, int], spec: dict[str, list], sampled: dict[str, int]):
+    """One step as the engine core runs it, with `scheduled` tokens per request (1 + drafts) and
+    `sampled` tokens per request; returns the `schedule` output."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    monkeypatch.setattr(Scheduler, "schedule", lambda self, *a, **kw: SimpleNamespace(
+        num_spec_tokens_to_schedule=6, num_scheduled_tokens=scheduled, scheduled_spec_decode_tokens=spec))
+    out = sched.schedule()
+    ids = list(scheduled)
+    sched.update_from_output(SimpleNamespace(scheduled_spec_decode_tokens=spec),
+                             SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(ids)},
+                                             sampled_token_ids=[[0] * sampled[r] for r in ids]))
+    return out
+
+
+def test_the_gate_learns_from_each_decode_step_under_the_arm_that_governed_it(monkeypatch):
+    """A decode step is measured for the arm the gate chose when its drafts were trimmed (the
+    schedule before it), with the tokens it sampled; prefill steps, steps with a caller's drafts and
+    steps with no request the gate governs teach it nothing."""
+    reqs = {"a": _Req({"specserve_k": 6, "specserve_k_step": 0.5}), "b": _Req({"specserve_k": 6, "specserve_k_step": 0.5}),
+            "fixed": _Req({"specserve_k": 2})}
+    sched = _scheduler(monkeypatch, reqs)
+    sched.gate = DraftGate(prior_max_batch=2, explore=0.0)  # 3 running: plain from the first schedule on
+    assert sched._draft_next is True
+    _decode_step(monkeypatch, sched, {"a": 3, "b": 1}, {"a": [7, 8]}, {"a": 3, "b": 1})  # verified under the draft arm
+    _decode_step(monkeypatch, sched, {"a": 1, "b": 1}, {}, {"a": 1, "b": 1})  # under the plain arm the last schedule chose
+    _decode_step(monkeypatch, sched, {"a": 300, "b": 1}, {}, {"a": 1, "b": 1})  # a prefill
+    _decode_step(monkeypatch, sched, {"a": 1, "fixed": 3}, {"fixed": [1, 2]}, {"a": 1, "fixed": 3})  # a caller's drafts
+    _decode_step(monkeypatch, sched, {"fixed": 1}, {}, {"fixed": 1})  # nothing the gate governs
+    (row,) = sched.gate.table()
+    assert row["batch"] == "2-3"
+    assert row["draft"]["steps"] == 1 and row["plain"]["steps"] == 1  # (the other arm's evidence fades a little)
+    assert round(sched.gate.arms[(1, True)].tokens) == 4 and round(sched.gate.arms[(1, False)].tokens) == 2
+
+
+def test_where_the_gate_measured_drafting_faster_a_batch_above_the_bound_drafts(monkeypatch):
+    """Above the pool's bound, once drafting measured faster there, the per-step-K requests verify
+    drafts again and the proposer is asked for them; where plain decoding measured faster, they
+    do not."""
+    reqs = {f"r{i}": _Req({"specserve_k": 6, "specserve_k_step": 0.95}) for i in range(5)}
+    for faster, drafts in ((True, True), (False, False)):
+        sched = _scheduler(monkeypatch, reqs)
+        sched.gate = DraftGate(prior_max_batch=4, explore=0.2)
+        for _ in range(300):
+            sched.gate.observe(5, True, 12 if faster else 4, 0.1)
+            sched.gate.observe(5, False, 5, 0.1)
+        asked = [sched.schedule().num_spec_tokens_to_schedule for _ in range(20)]
+        ks = _step(sched, {r: 6 for r in reqs})
+        assert (min(asked) == 6) if drafts else (max(asked) == 0), (faster, asked)
+        assert (max(ks.values()) >= 1) if drafts else (set(ks.values()) == {0}), (faster, ks)

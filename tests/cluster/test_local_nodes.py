@@ -113,7 +113,9 @@ def _alive(pid: int) -> bool:
 
 def test_stop_ends_every_process_of_each_node(tmp_path):
     """A node process that ignores SIGTERM and has a child (its raylet, say) is killed whole."""
-    ray_bin = _fake_ray(tmp_path, "trap '' TERM\nsleep 300 &\necho $! > \"$0.child.$$\"\nwait\n")
+    # The pid goes to a temporary name first and is renamed, so a file under the final name is never empty.
+    ray_bin = _fake_ray(tmp_path, "trap '' TERM\nsleep 300 &\necho $! > \"$0.tmp.$$\"\n"
+                                  "mv \"$0.tmp.$$\" \"$0.child.$$\"\nwait\n")
     nodes = LocalNodes.start([LocalNodeConfig(name="a"), LocalNodeConfig(name="b")], "127.0.0.1:1", "127.0.0.1",
                              tmp_path / "logs", python=ray_bin)
     deadline = time.monotonic() + 10

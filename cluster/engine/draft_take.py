@@ -5,7 +5,7 @@ model worker for the drafts proposed during the step (`EngineCore.post_step` ->
 `take_draft_token_ids`). It lies between two steps: the worker waits for it before the next step
 starts, and the engine core, asleep until the worker's reply, must get its core back. When the
 per-request-K scheduler asked the proposer for no drafts in a step (`num_spec_tokens_to_schedule`
-0: every running request is at K = 0, as above the pool's `step_k_max_batch`), there is nothing to
+0: every running request is at K = 0, as in a step the draft gate runs plainly), there is nothing to
 fetch: vLLM clears each request's drafts when it schedules it, and the worker drops its own at the
 start of the next step. `skip_empty_takes()` makes the engine core skip the round trip then; the
 scheduler (`cluster.engine.vllm_scheduler`) calls it in the engine core's process and says, per

@@ -291,8 +291,8 @@ def batch_optimism(batch_size: int, optimism: float = ACCEPT_OPTIMISM) -> float:
     rejected one costs the step, that is every request in the batch. At batch 1 the request pays
     alone; at batch 16 a draft that explores must pay on its own evidence. (On the tune half, batch
     16, one engine: a fixed 1-sigma optimism kept chat requests drafting one token they rarely had
-    accepted, 0.93 of plain decoding. Spreading it did not close the gap alone: see the pool's
-    `step_k_max_batch`.)
+    accepted, 0.93 of plain decoding. Spreading it did not close the gap alone: see
+    `cluster.engine.draft_gate`.)
 
     >>> batch_optimism(1), batch_optimism(4), batch_optimism(0)
     (1.0, 0.25, 1.0)

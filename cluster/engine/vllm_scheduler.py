@@ -260,6 +260,13 @@ def next_k(k_used: int, k_state: int, k_base: int, growth: Optional[tuple[int, i
     return k_base
 
 
+def extra_args_of(request) -> Optional[dict[str, Any]]:
+    """The specserve settings a vLLM request carries (`SamplingParams.extra_args`), None for no
+    request or none set."""
+    params = getattr(request, "sampling_params", None) if request is not None else None
+    return params.extra_args if params is not None else None
+
+
 def _make_scheduler_cls():
     # vLLM is imported lazily so that the pure functions above are testable without it.
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -295,7 +302,7 @@ def _make_scheduler_cls():
         def _k_for(self, request, batch_size: int, ahead: bool = False) -> int:
             """The request's K this step; `ahead`: the largest it may have once the step in flight
             is judged (its state + step, when it grows), which is what the proposer must draft."""
-            extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+            extra = extra_args_of(request)
             k_req = requested_k(extra, self.num_spec_tokens)
             if step_alpha_from(extra) is not None:  # its ceiling; update_draft_token_ids picks
                 return step_ceiling(k_req, self.num_spec_tokens, self._draft_next)
@@ -315,7 +322,7 @@ def _make_scheduler_cls():
                 request = self.requests.get(req_id)
                 if request is None:
                     continue
-                extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+                extra = extra_args_of(request)
                 alpha = step_alpha_from(extra)
                 k = self._k_for(request, batch_size)
                 drafts = len(draft_token_ids.draft_token_ids[i])
@@ -335,11 +342,10 @@ def _make_scheduler_cls():
 
         def update_from_output(self, scheduler_output, model_runner_output):
             setattr(self, CARRIED_ATTR, carried_from(model_runner_output))  # the drafts the worker sent along
-            now = time.perf_counter()
             if self._step_started is not None:  # the decode step just run: its time to the cost line
                 t0, n_req, n_drafts = self._step_started
                 self._step_started = None
-                self.step_cost.observe(n_req, n_drafts, now - t0)
+                self.step_cost.observe(n_req, n_drafts, time.perf_counter() - t0)
             if self._gate_step is not None and self._gate_step[3] is None:  # its tokens, for the gate's arm
                 self._gate_step[3] = sum(len(t) for t in model_runner_output.sampled_token_ids)
             # Before vLLM's own bookkeeping: the K state of growing requests and the acceptance of
@@ -386,7 +392,8 @@ def _make_scheduler_cls():
                     self._log_gate(n_req)
             output = super().schedule(*args, **kwargs)
             # This step verifies what the gate's last arm let through: measure it for that arm.
-            governed = {r: step_alpha_from(self._extra(r)) is not None for r in output.num_scheduled_tokens}
+            governed = {r: step_alpha_from(extra_args_of(self.requests.get(r))) is not None
+                        for r in output.num_scheduled_tokens}
             gate_n = gate_step(output.num_scheduled_tokens, output.scheduled_spec_decode_tokens, governed)
             drafting_now = self._draft_next
             if self.num_spec_tokens and self.running:
@@ -403,14 +410,9 @@ def _make_scheduler_cls():
             shape = step_shape(output.num_scheduled_tokens, output.scheduled_spec_decode_tokens)
             proposing = getattr(output, "num_spec_tokens_to_schedule", 0) > 0
             setattr(self, ASKED_ATTR, proposing)  # nothing to fetch after a step that asked for no drafts
-            t0 = time.perf_counter()
-            self._step_started = None if shape is None or not proposing else (t0, *shape)
+            self._step_started = None if shape is None or not proposing else (time.perf_counter(), *shape)
             self._gate_step = None if gate_n is None else [cycle_start, gate_n, drafting_now, None]
             return output
-
-        def _extra(self, req_id: str) -> Optional[dict[str, Any]]:
-            request = self.requests.get(req_id)
-            return request.sampling_params.extra_args if request is not None and request.sampling_params is not None else None
 
         def _log_gate(self, batch_size: int) -> None:
             """When the arms at a batch size are first compared by measurement, and every

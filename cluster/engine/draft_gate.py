@@ -22,9 +22,9 @@ Words are those of `cluster.speculation`, plus:
 
 Why: on a CPU a verified draft costs about what a whole request does in a large batch, so whether
 drafting pays at batch 16 depends on how often this workload's drafts are accepted, and a bound
-fixed from one set of prompts is wrong for another (BENCHMARKS.md 2.3: stock suffix decoding 1.06x
-plain decoding at 16 streams on unseen prompts, 0.93x at 32; the tune half tied at 16). The gate
-measures the two arms where they run and keeps the faster one.
+fixed from one set of prompts is wrong for another (docs/benchmarks/draft-gate/: stock suffix
+decoding 1.04-1.06x plain decoding at 16 streams on unseen prompts, 0.94x at 32; the tune half
+tied at 16). The gate measures the two arms where they run and keeps the faster one.
 
 How: Thompson sampling per bucket: each arm's rate is drawn from a normal around its estimate
 with its standard error, and the larger draw wins. Arms far apart are almost never swapped (a

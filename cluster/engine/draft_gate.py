@@ -16,9 +16,13 @@ Words are those of `cluster.speculation`, plus:
   for a ratio of sums). While one arm runs, the other's evidence fades too, at a quarter of the
   rate (`OTHER_FADE`), so an arm left aside is tried again once its estimate has grown stale: a
   workload whose drafts start to pay is found within ~1,500 steps of a bucket (simulated).
-- **prior**: before both arms have `min_steps` steps in a bucket, the pool's `step_k_max_batch`
-  decides (draft at or below it; None: draft everywhere), and the arm with fewer steps is tried
-  with probability `explore`.
+- **prior**: before both arms have `min_steps` steps in a bucket, the verdict of the nearest
+  bucket that has them (the lower one when two are as near) decides, and the arm with fewer steps
+  is tried with probability `explore`. Until some bucket has compared, the pool's
+  `step_k_max_batch` decides (draft at or below it; None: draft everywhere). A burst climbs
+  through buckets faster than each can measure both arms, and the break-even of drafting moves
+  little from one bucket to the next, so a neighbour's measurement is a better guess than a bound
+  fixed from other prompts.
 
 Why: on a CPU a verified draft costs about what a whole request does in a large batch, so whether
 drafting pays at batch 16 depends on how often this workload's drafts are accepted, and a bound
@@ -140,7 +144,25 @@ class DraftGate:
     arms: dict[tuple[int, bool], ArmRate] = field(default_factory=dict)  # (bucket, drafting) -> rate
 
     def prior(self, batch_size: int) -> bool:
-        return self.prior_max_batch is None or batch_size <= self.prior_max_batch
+        """The arm of a bucket that has not compared its arms: its nearest compared neighbour's
+        faster arm, else the static bound (and the static bound alone when learning is off).
+
+        >>> gate = DraftGate(prior_max_batch=11)
+        >>> for _ in range(20):  # batch 8-11 measured drafting faster
+        ...     _ = gate.observe(9, True, 13, 0.1), gate.observe(9, False, 9, 0.1)
+        >>> gate.prior(16), gate.prior(64), DraftGate(prior_max_batch=11).prior(16)
+        (True, True, False)
+        """
+        static = self.prior_max_batch is None or batch_size <= self.prior_max_batch
+        if self.explore <= 0.0:
+            return static
+        b = bucket_of(batch_size)
+        near = sorted(range(len(BUCKET_STARTS)), key=lambda o: (abs(o - b), o))
+        for o in near:
+            draft, plain = self.arms.get((o, True)), self.arms.get((o, False))
+            if draft is not None and plain is not None and min(draft.n, plain.n) >= self.min_steps:
+                return (draft.rate() or 0.0) > (plain.rate() or 0.0)
+        return static
 
     def arm(self, bucket: int, drafting: bool) -> ArmRate:
         return self.arms.setdefault((bucket, drafting), ArmRate())
@@ -159,12 +181,12 @@ class DraftGate:
         >>> sum(gate.allows(16) for _ in range(200)) >= 199, gate.allows(3)
         (True, True)
         """
-        prior = self.prior(batch_size)
         if self.explore <= 0.0:
-            return prior
+            return self.prior(batch_size)
         b = bucket_of(batch_size)
         draft, plain = self.arm(b, True), self.arm(b, False)
         if not self.compares(batch_size):
+            prior = self.prior(batch_size)
             fewer = draft.n < plain.n or (draft.n == plain.n and not prior)  # the arm to try
             return fewer if self.rng.random() < self.explore else prior
         return self._draw(draft) > self._draw(plain)

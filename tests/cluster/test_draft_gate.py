@@ -115,3 +115,27 @@ def test_the_table_says_what_each_bucket_measured():
     (row,) = gate.table()
     assert row["batch"] == "16-23" and row["draft"]["steps"] > MIN_STEPS and row["plain"]["steps"] >= 1
     assert row["draft"]["tokens_per_s"] > row["plain"]["tokens_per_s"]
+
+
+def test_a_cold_bucket_takes_the_verdict_of_its_nearest_measured_neighbour():
+    # A burst climbs from batch 8-11 into 16-23: where drafting measured faster below, the cold
+    # bucket above starts drafting, though the static bound (11) says plain.
+    gate = DraftGate(prior_max_batch=11, rng=random.Random(17))
+    _steps(gate, 9, 300, 1.3)
+    assert gate.compares(9) and not gate.compares(16)
+    assert 0.75 < sum(gate.allows(16) for _ in range(2000)) / 2000 < 0.85  # prior draft, plain tried
+    # Where plain decoding measured faster at 24-31, the cold buckets nearer to it start plain:
+    # 12-15 is next to 8-11 (draft), 16-23 next to 24-31 (plain).
+    _steps(gate, 26, 300, 0.8)
+    assert gate.compares(26)
+    assert [gate.prior(b) for b in (4, 12, 16, 40, 64)] == [True, True, False, False, False]
+    _steps(gate, 50, 300, 1.3)  # 48-63 measured drafting faster: 32-47, as near to both, takes the lower
+    assert not gate.prior(40) and gate.prior(64)
+    assert gate.prior(1)  # no bucket below 8-11 has compared: its verdict reaches down to 1
+
+
+def test_without_learning_no_neighbour_overrides_the_bound():
+    gate = DraftGate(prior_max_batch=11, explore=0.0)
+    for _ in range(50):
+        gate.observe(9, True, 13, 0.1), gate.observe(9, False, 9, 0.1)
+    assert not gate.prior(16) and not gate.allows(16)

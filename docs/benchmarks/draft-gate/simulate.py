@@ -54,3 +54,23 @@ for of in (0.25, 0.5, 1.0):
         c = mk(g1, steps=6000, shift_at=3000, gain2=g2)
         out.append(f"shift {g1}->{g2}: +500 {sum(c[3000:3500])/500:.2f} +1500 {sum(c[3500:4500])/1000:.2f} +3000 {sum(c[4500:])/1500:.2f}")
     print(f"other_fade {of}:", "; ".join(out))
+print("--- a cold burst: batch climbs 1 -> 20 over 150 steps, stays 150; draft gain falls with the batch")
+class StaticPrior(G.DraftGate):  # the prior before neighbours: the bound alone
+    def prior(self, batch_size):
+        return self.prior_max_batch is None or batch_size <= self.prior_max_batch
+def burst(cls, gain_at, seed):
+    g = cls(prior_max_batch=11, explore=0.2, rng=random.Random(seed)); r = random.Random(seed + 100)
+    tok = sec = 0.0
+    for i in range(300):
+        B = min(20, 1 + i * 20 // 150); gg = gain_at(B); d = g.allows(B)
+        if d:
+            drafts = max(0, r.gauss(30, 12)); t = 0.052 + 0.0024 * drafts
+            tokens = (B + drafts * r.uniform(0.2, 0.8)) * gg * (B / 0.052) / ((B + 15) / (0.052 + 0.072))
+        else:
+            t = max(0.01, r.gauss(0.052, 0.005)); tokens = B
+        g.observe(B, d, tokens, t); tok += tokens; sec += t
+    return tok / sec
+for name, gain_at in (("drafting pays everywhere (1.6 at 1 -> 1.3 at 20)", lambda b: 1.6 - 0.3 * (b - 1) / 19),
+                      ("drafting stops paying at 12 (1.3 at 1 -> 0.85 at 20)", lambda b: 1.3 - 0.45 * (b - 1) / 19)):
+    rs = [burst(G.DraftGate, gain_at, s) / burst(StaticPrior, gain_at, s) for s in range(20)]
+    print(f"{name}: tokens/s with neighbours / with the bound alone, 20 seeds: mean {sum(rs)/len(rs):.3f}, min {min(rs):.3f}, max {max(rs):.3f}")

@@ -102,6 +102,7 @@ class TuningStore:
         self._overlay: dict[str, dict[CellKey, int]] = {}  # this replica's own incumbents
         self._last_ok_mono = 0.0
         self._last_fail_mono = 0.0
+        self._failing: set[str] = set()  # of flush / refresh: those whose last call failed
         self._last_warn: dict[tuple, float] = {}
         self.counters = collections.Counter()
         self._stop = threading.Event()
@@ -193,10 +194,13 @@ class TuningStore:
 
     @property
     def healthy(self) -> bool:
-        """True when the last Redis call succeeded, within the last few intervals."""
+        """True when the last Redis call succeeded, within the last few intervals, and neither the
+        writer's last flush nor its last refresh failed (reads that work while Redis refuses the
+        writes, as under `maxmemory`, are not health)."""
         window = 3 * max(self.flush_interval_s, self.refresh_interval_s) + 1.0
         ok = self._last_ok_mono
-        return ok > 0 and ok >= self._last_fail_mono and time.monotonic() - ok < window
+        return (ok > 0 and not self._failing and ok >= self._last_fail_mono
+                and time.monotonic() - ok < window)
 
     # -- background I/O ---------------------------------------------------------------------
 
@@ -250,6 +254,7 @@ class TuningStore:
                 self._pending.clear()
             pending, chosen, delete = dict(self._pending), dict(self._pending_chosen), set(self._to_delete)
         if not (pending or chosen or delete):
+            self._failing.discard("flush")  # nothing is waiting to be written (dropped, if it was)
             return True
         now = self._clock()
         pipe = self._redis.pipeline(transaction=True)
@@ -285,6 +290,7 @@ class TuningStore:
             self._to_delete = (self._to_delete - delete) | bad
         self.counters["flushes"] += 1
         self.counters["keys_written"] += len(set(pending) | set(chosen))
+        self._failing.discard("flush")
         self._last_ok_mono = time.monotonic()
         return True
 
@@ -366,6 +372,7 @@ class TuningStore:
             if overlay.get(ck) == k:
                 overlay.pop(ck, None)
         self._views[model] = view
+        self._failing.discard("refresh")
         self._last_ok_mono = time.monotonic()
         return True
 
@@ -405,6 +412,8 @@ class TuningStore:
         self.counters[f"{op}_errors"] += 1
         self.counters[f"redis_error:{kind}"] += 1
         self._last_fail_mono = time.monotonic()
+        if op in ("flush", "refresh"):
+            self._failing.add(op)
         self._warn((op, kind), msg + " (%s: %s)", *args, kind, str(e)[:200])
         if self.on_redis_error is not None:
             try:

@@ -52,6 +52,11 @@ SE_FLOOR = 0.005  # relative: no arm's rate is ever read as surer than +-0.5%
 EXPLORE = 0.2  # chance of the less-tried arm while a bucket warms up
 
 
+# Per bucket, every bucket from the nearest to the farthest (the lower first when two are as near).
+NEAREST = tuple(tuple(sorted(range(len(BUCKET_STARTS)), key=lambda o, b=b: (abs(o - b), o)))
+                for b in range(len(BUCKET_STARTS)))
+
+
 def bucket_of(batch_size: int) -> int:
     """The index of the bucket a batch size falls in.
 
@@ -156,12 +161,9 @@ class DraftGate:
         static = self.prior_max_batch is None or batch_size <= self.prior_max_batch
         if self.explore <= 0.0:
             return static
-        b = bucket_of(batch_size)
-        near = sorted(range(len(BUCKET_STARTS)), key=lambda o: (abs(o - b), o))
-        for o in near:
-            draft, plain = self.arms.get((o, True)), self.arms.get((o, False))
-            if draft is not None and plain is not None and min(draft.n, plain.n) >= self.min_steps:
-                return (draft.rate() or 0.0) > (plain.rate() or 0.0)
+        for o in NEAREST[bucket_of(batch_size)]:
+            if self._compared(o):
+                return self.arms[(o, True)].rate() > self.arms[(o, False)].rate()
         return static
 
     def arm(self, bucket: int, drafting: bool) -> ArmRate:
@@ -169,8 +171,11 @@ class DraftGate:
 
     def compares(self, batch_size: int) -> bool:
         """Whether both arms have `min_steps` steps at this batch size (measurement decides, not the prior)."""
-        b = bucket_of(batch_size)
-        return min(self.arm(b, True).n, self.arm(b, False).n) >= self.min_steps
+        return self._compared(bucket_of(batch_size))
+
+    def _compared(self, bucket: int) -> bool:
+        draft, plain = self.arms.get((bucket, True)), self.arms.get((bucket, False))
+        return draft is not None and plain is not None and min(draft.n, plain.n) >= self.min_steps
 
     def allows(self, batch_size: int) -> bool:
         """Whether the next step of `batch_size` requests runs the draft arm.

@@ -263,7 +263,7 @@ def next_k(k_used: int, k_state: int, k_base: int, growth: Optional[tuple[int, i
 def extra_args_of(request) -> Optional[dict[str, Any]]:
     """The specserve settings a vLLM request carries (`SamplingParams.extra_args`), None for no
     request or none set."""
-    params = getattr(request, "sampling_params", None) if request is not None else None
+    params = getattr(request, "sampling_params", None)
     return params.extra_args if params is not None else None
 
 

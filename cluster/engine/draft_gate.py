@@ -163,7 +163,7 @@ class DraftGate:
             return static
         for o in NEAREST[bucket_of(batch_size)]:
             if self._compared(o):
-                return self.arms[(o, True)].rate() > self.arms[(o, False)].rate()
+                return (self.arms[(o, True)].rate() or 0.0) > (self.arms[(o, False)].rate() or 0.0)
         return static
 
     def arm(self, bucket: int, drafting: bool) -> ArmRate:

@@ -316,6 +316,14 @@ def check_prior_draft_rate(v: dict[str, float]) -> dict[str, float]:
     return _check_class_table(v, "the draft rate", 1.0)
 
 
+class SuffixSoloConfig(Strict):
+    """SuffixDecoding's draft-length knobs for a step in which one request runs (`SuffixConfig.solo`)."""
+
+    max_spec_factor: float = Field(1.0, gt=0, le=64, description="As `suffix.max_spec_factor`, for a step with one request.")
+    max_spec_offset: float = Field(0.0, ge=0, le=64, description="As `suffix.max_spec_offset`, for a step with one request.")
+    min_token_prob: float = Field(0.1, ge=0, le=1, description="As `suffix.min_token_prob`, for a step with one request.")
+
+
 class SuffixConfig(Strict):
     """SuffixDecoding beside prompt lookup in one engine (`cluster/engine/lookup_proposer.py`): a
     suffix tree over each prompt and over earlier requests' outputs (arctic-inference's), whose
@@ -338,6 +346,12 @@ class SuffixConfig(Strict):
         0.1, ge=0, le=1, description="A draft stops at a token whose estimated probability is below this.")
     max_cached_requests: int = Field(
         10000, ge=0, description="Earlier requests whose outputs the global tree keeps (0: the prompt's tree only).")
+    solo: Optional[SuffixSoloConfig] = Field(
+        None,
+        description=(
+            "Drafting knobs for a step whose batch holds one request (unset: the knobs above for every step). "
+            "Alone in a step, extra verified tokens cost little; beside batchmates every extra token lengthens "
+            "the step for all of them, so a setting that drafts further can pay at one stream and lose under load."))
     auto_ngram: bool = Field(
         True,
         description=(

@@ -10,7 +10,8 @@ names none):
   prompt_lookup_min/max as its `ngram` method);
 - `suffix`: arctic-inference's `SuffixDecodingCache`, as vLLM's `suffix` method uses it: a tree
   per prompt and a global tree over earlier requests' outputs; a draft's length follows the match
-  (`max_spec_factor` x the matched length + `max_spec_offset`) and stops below `min_token_prob`;
+  (`max_spec_factor` x the matched length + `max_spec_offset`) and stops below `min_token_prob`,
+  with knobs of their own (`suffix.solo`) for a step whose batch holds one request;
 - K = 0 (mode `none`, or a step whose scheduler allows no drafts, as above the pool's batch bound):
   no lookup at all.
 
@@ -112,6 +113,35 @@ def plan_drafts(modes: Sequence[str], ks: Sequence[int], drafting: Sequence[bool
     return DraftPlan(tuple(ngram), max((out[i] for i in ngram), default=0), tuple(suffix), tuple(out))
 
 
+@dataclass(frozen=True)
+class SuffixKnobs:
+    """How far a suffix draft may run: `max_spec_factor` x the matched length + `max_spec_offset`,
+    stopping below `min_token_prob` (arctic-inference's `speculate` arguments)."""
+
+    max_spec_factor: float = 1.0
+    max_spec_offset: float = 0.0
+    min_token_prob: float = 0.1
+
+    @classmethod
+    def of(cls, settings: Optional[dict[str, Any]]) -> Optional["SuffixKnobs"]:
+        if settings is None:
+            return None
+        return cls(float(settings.get("max_spec_factor", 1.0)), float(settings.get("max_spec_offset", 0.0)),
+                   float(settings.get("min_token_prob", 0.1)))
+
+
+def step_knobs(batch_size: int, knobs: SuffixKnobs, solo: Optional[SuffixKnobs]) -> SuffixKnobs:
+    """The knobs of a step: `solo` when one request is in the batch (and `solo` is set), else `knobs`.
+    Alone in a step, verifying a few more tokens costs little; beside batchmates every extra token
+    lengthens the step for all of them.
+
+    >>> base, solo = SuffixKnobs(), SuffixKnobs(max_spec_offset=2.0, min_token_prob=0.3)
+    >>> step_knobs(1, base, solo) == solo, step_knobs(2, base, solo) == base, step_knobs(1, base, None) == base
+    (True, True, True)
+    """
+    return solo if solo is not None and batch_size == 1 else knobs
+
+
 def lookup_settings(vllm_config) -> dict[str, Any]:
     extra = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {}) or {}
     return dict(extra.get(LOOKUP_CONFIG_KEY) or {})
@@ -160,9 +190,8 @@ class LookupProposer(NeverRaises):
             self.ngram = _ngram_proposer(vllm_config, self.k_max, int(s.get("ngram_min", 1)), int(s.get("ngram_max", 5)))
         suffix = s.get("suffix") or {}
         self.max_tree_depth = int(suffix.get("max_tree_depth", 24))
-        self.max_spec_factor = float(suffix.get("max_spec_factor", 1.0))
-        self.max_spec_offset = float(suffix.get("max_spec_offset", 0.0))
-        self.min_token_prob = float(suffix.get("min_token_prob", 0.1))
+        self.knobs = SuffixKnobs.of(suffix)
+        self.solo = SuffixKnobs.of(suffix.get("solo"))  # None: one set of knobs for every step
         # lazy: an optional native extension (scripts/bootstrap.sh builds it); only suffix pools load it
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
@@ -221,14 +250,15 @@ class LookupProposer(NeverRaises):
             found = self.ngram.batch_propose(n, list(plan.ngram), num_tokens_no_spec, token_ids_cpu, plan.ngram_k)
             for i in plan.ngram:
                 drafts[i] = found[i][:plan.ks[i]]
+        knobs = step_knobs(n, self.knobs, self.solo)
         for i, k in plan.suffix:
             if req_ids[i] is None:
                 continue
             pattern = token_ids_cpu[i, max(0, nums[i] - self.max_tree_depth):nums[i]]
             drafts[i] = list(self.cache.speculate(req_ids[i], pattern, max_spec_tokens=k,
-                                                  max_spec_factor=self.max_spec_factor,
-                                                  max_spec_offset=self.max_spec_offset,
-                                                  min_token_prob=self.min_token_prob).token_ids)
+                                                  max_spec_factor=knobs.max_spec_factor,
+                                                  max_spec_offset=knobs.max_spec_offset,
+                                                  min_token_prob=knobs.min_token_prob).token_ids)
         return drafts
 
     def _learn(self, req_ids: list[Optional[str]], sampled_token_ids, nums: list[int]) -> None:

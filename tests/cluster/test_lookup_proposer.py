@@ -102,6 +102,18 @@ def test_max_spec_offset_lengthens_suffix_drafts_past_the_match_up_to_the_output
     assert step(p, runner, [[42]])[0] == expected
 
 
+def test_solo_knobs_apply_to_a_step_with_one_request_and_the_pools_knobs_to_a_shared_step():
+    """`suffix.solo` drafts 2 past the match when the request is alone in the batch; with a batchmate
+    the same request drafts by the pool's knobs (the match's length, 3)."""
+    p = LookupProposer(vllm_config(k_max=6, suffix={"solo": {"max_spec_offset": 2.0, "min_token_prob": 0.1}}))
+    runner = _second_request_after_first(p, [40, 41, 42, 43, 44, 45, 46, 47])
+    assert step(p, runner, [[42]])[0] == [43, 44, 45, 46, 47]
+    extra = {EXTRA_ARGS_MODE: "suffix", EXTRA_ARGS_K: 6}
+    runner.requests["mate"] = SimpleNamespace(sampling_params=SimpleNamespace(extra_args=extra))
+    runner.set({"second": ([9, 8, 7], [40, 41, 42]), "mate": ([3, 3, 3], [3])})
+    assert step(p, runner, [[42], [3]])[0] == [43, 44, 45]
+
+
 def test_forget_drops_finished_outputs_and_keeps_requests_in_flight():
     """After `forget` a new request no longer drafts from an earlier one's output; a request still
     decoding keeps its own tree."""
@@ -155,7 +167,7 @@ def test_an_ngram_pool_with_suffix_serves_three_modes_in_one_engine_with_the_loo
     assert kw["worker_extension_cls"] == "cluster.engine.lookup_proposer.LookupWorkerExtension"
     assert kw["additional_config"]["specserve"]["lookup"]["suffix"] == {
         "max_tree_depth": 24, "max_k": 16, "max_spec_factor": 1.0, "max_spec_offset": 0.0, "min_token_prob": 0.1,
-        "max_cached_requests": 10000}
+        "max_cached_requests": 10000, "solo": None}
     plain = parse_config({**CONFIG, "pools": {"ngram": {"model": "m", "method": "ngram", "max_k": 6}}}).pools["ngram"]
     assert speculative_config(plain, None)["method"] == "ngram" and SpecMode.SUFFIX not in plain.modes
 
@@ -164,6 +176,8 @@ def test_an_ngram_pool_with_suffix_serves_three_modes_in_one_engine_with_the_loo
     ({"method": "eagle", "drafter": "m", "suffix": {}}, "suffix"),
     ({"method": "ngram", "suffix": {"min_token_prob": 2}}, "min_token_prob"),
     ({"method": "ngram", "suffix": {"max_spec_offset": -1}}, "max_spec_offset"),
+    ({"method": "ngram", "suffix": {"solo": {"min_token_prob": 1.5}}}, "min_token_prob"),
+    ({"method": "ngram", "suffix": {"solo": {"offset": 2}}}, "offset"),
     ({"method": "ngram", "suffix": {"prior_alpha": {"poetry": 0.5}}}, "poetry"),
     ({"method": "ngram", "suffix": {"tree_depth": 3}}, "tree_depth"),
     ({"method": "ngram", "suffix": {"prior_draft_rate": {"code": 1.5}}}, "prior_draft_rate"),

@@ -316,15 +316,21 @@ def check_prior_draft_rate(v: dict[str, float]) -> dict[str, float]:
     return _check_class_table(v, "the draft rate", 1.0)
 
 
-class SuffixSoloConfig(Strict):
-    """SuffixDecoding's draft-length knobs for a step in which one request runs (`SuffixConfig.solo`)."""
+class SuffixKnobsConfig(Strict):
+    """How far a SuffixDecoding draft may run (vLLM's `suffix_decoding_*` knobs); `SuffixConfig.solo`
+    sets them again for a step in which one request runs."""
 
-    max_spec_factor: float = Field(1.0, gt=0, le=64, description="As `suffix.max_spec_factor`, for a step with one request.")
-    max_spec_offset: float = Field(0.0, ge=0, le=64, description="As `suffix.max_spec_offset`, for a step with one request.")
-    min_token_prob: float = Field(0.1, ge=0, le=1, description="As `suffix.min_token_prob`, for a step with one request.")
+    max_spec_factor: float = Field(
+        1.0, gt=0, le=64, description="A draft is at most this times the matched length long (and at most the request's K).")
+    max_spec_offset: float = Field(
+        0.0, ge=0, le=64,
+        description="A draft may run this many tokens past max_spec_factor x the matched length (still bounded "
+                    "by min_token_prob and the request's K).")
+    min_token_prob: float = Field(
+        0.1, ge=0, le=1, description="A draft stops at a token whose estimated probability is below this.")
 
 
-class SuffixConfig(Strict):
+class SuffixConfig(SuffixKnobsConfig):
     """SuffixDecoding beside prompt lookup in one engine (`cluster/engine/lookup_proposer.py`): a
     suffix tree over each prompt and over earlier requests' outputs (arctic-inference's), whose
     drafts follow the match length. The knobs are vLLM's `suffix_decoding_*` settings."""
@@ -336,17 +342,9 @@ class SuffixConfig(Strict):
             "Largest K of a suffix request (the pool's `max_k` bounds its n-gram requests). A suffix draft "
             "is only as long as the match makes it likely (max_spec_factor, min_token_prob), so a deep "
             "bound costs nothing where the match is short; vLLM's own suffix method defaults to the tree depth."))
-    max_spec_factor: float = Field(
-        1.0, gt=0, le=64, description="A draft is at most this times the matched length long (and at most the request's K).")
-    max_spec_offset: float = Field(
-        0.0, ge=0, le=64,
-        description="A draft may run this many tokens past max_spec_factor x the matched length (still bounded "
-                    "by min_token_prob and the request's K).")
-    min_token_prob: float = Field(
-        0.1, ge=0, le=1, description="A draft stops at a token whose estimated probability is below this.")
     max_cached_requests: int = Field(
         10000, ge=0, description="Earlier requests whose outputs the global tree keeps (0: the prompt's tree only).")
-    solo: Optional[SuffixSoloConfig] = Field(
+    solo: Optional[SuffixKnobsConfig] = Field(
         None,
         description=(
             "Drafting knobs for a step whose batch holds one request (unset: the knobs above for every step). "

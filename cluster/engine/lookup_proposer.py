@@ -30,7 +30,7 @@ The per-request plan is the pure function `plan_drafts`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
@@ -126,8 +126,7 @@ class SuffixKnobs:
     def of(cls, settings: Optional[dict[str, Any]]) -> Optional["SuffixKnobs"]:
         if settings is None:
             return None
-        return cls(float(settings.get("max_spec_factor", 1.0)), float(settings.get("max_spec_offset", 0.0)),
-                   float(settings.get("min_token_prob", 0.1)))
+        return cls(**{f.name: float(settings[f.name]) for f in fields(cls) if f.name in settings})
 
 
 def step_knobs(batch_size: int, knobs: SuffixKnobs, solo: Optional[SuffixKnobs]) -> SuffixKnobs:

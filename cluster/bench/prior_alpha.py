@@ -146,6 +146,29 @@ class SuffixReplay:
         return steps
 
 
+def replay_cut(rows: Sequence[tuple[str, Sequence[int], Sequence[int]]], min_token_prob: float,
+               seeds: Sequence[int] = (0, 1, 2), k: int = 16, depth: int = 24) -> tuple[float, float, float]:
+    """Greedy (name, prompt_ids, output_ids) rows replayed through one fresh suffix cache per seed,
+    in that seed's shuffled order, drafting up to `k` with `min_token_prob` as the cut: tokens a
+    step yields, drafts a step verifies, and the share of drafts accepted, over all seeds."""
+    import random
+    from types import SimpleNamespace
+
+    toks = steps = drafted = accepted = 0
+    for seed in seeds:
+        order = list(range(len(rows)))
+        random.Random(seed).shuffle(order)
+        cache = SuffixReplay(SimpleNamespace(max_tree_depth=depth, max_cached_requests=10000, max_spec_factor=1.0,
+                                             max_spec_offset=0.0, min_token_prob=min_token_prob))
+        for i in order:
+            _, ids, out = rows[i]
+            st = cache.steps(ids, out, k)
+            toks, steps = toks + len(out), steps + len(st)
+            drafted += sum(x.drafted for x in st)
+            accepted += sum(x.accepted for x in st)
+    return toks / max(steps, 1), drafted / max(steps, 1), accepted / max(drafted, 1)
+
+
 def _greedy_outputs(config_path: str, pool_name: str, split: str, max_tokens: int,
                     files: Sequence[str] = ()) -> list[tuple[str, list[int], list[int]]]:
     """(class, prompt ids, greedy output ids) per prompt of the split, from a plain engine built like

@@ -145,3 +145,17 @@ def test_the_suffix_replay_passes_max_spec_offset_on():
     prompt, answer = [1, 2, 3, 4, 5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 8, 9, 1]
     plain, offset = _suffix_replay(0.0).steps(prompt, answer, 16), _suffix_replay(4.0).steps(prompt, answer, 16)
     assert (plain[0].drafted, offset[0].drafted) == (1, 5)
+
+
+def test_replay_cut_counts_every_token_and_a_stricter_cut_drafts_no_more():
+    from cluster.bench.prior_alpha import replay_cut
+
+    rng = np.random.default_rng(1)
+    common = list(rng.integers(1000, 1400, 30))
+    rows = [(f"p{i}", list(rng.integers(500, 900, 12)), common + list(rng.integers(1400, 1800, 10)))
+            for i in range(4)]  # answers share a head, so later requests draft from earlier ones
+    loose, strict = replay_cut(rows, 0.1), replay_cut(rows, 0.99)
+    assert loose[0] > 1.2 and 0 < loose[2] <= 1  # drafts from remembered answers pay
+    assert strict[1] <= loose[1]
+    # one fresh request has nothing to draft from: prefill gives the first token, a step each of the other 39
+    assert replay_cut(rows[:1], 0.1, seeds=(0,)) == (40 / 39, 0.0, 0.0)

@@ -4,7 +4,7 @@
 
 Greedy outputs (128 tokens) of the tune halves, as `../method-ceiling/replay.py` makes them (its
 `--outputs` file), replayed through one suffix cache in 3 shuffled orders
-(`cluster.bench.prior_alpha.SuffixReplay`, K 16, the pool's tree depth) with `min_token_prob`
+(`cluster.bench.prior_alpha.replay_cut`, K 16, the pool's tree depth) with `min_token_prob`
 (the tree's cumulative estimate that a draft token is accepted) at each value: tokens a step
 yields (tau), drafts a step verifies (delta). In a batch of B requests a step costs B plain
 request-steps plus beta for each verified draft token, so a request's goodput relative to plain
@@ -15,9 +15,7 @@ step, swept because it depends on the machine and the batch size.
 import argparse
 import json
 import os
-import random
 import sys
-from types import SimpleNamespace
 
 sys.path.insert(0, os.getcwd())
 
@@ -31,7 +29,7 @@ def main():
     args = ap.parse_args()
     if not os.path.exists(args.outputs):
         sys.exit(f"{args.outputs}: run docs/benchmarks/method-ceiling/replay.py first (it writes the greedy outputs)")
-    from cluster.bench.prior_alpha import SuffixReplay
+    from cluster.bench.prior_alpha import replay_cut
     from cluster.bench.split import TUNE, keep
     from cluster.bench.workload import load_prompts
 
@@ -40,25 +38,13 @@ def main():
     for name, part in (("both tune halves", rows), ("Spec-Bench tune half", rows[:n_spec]),
                        ("repeated-structure tune half", rows[n_spec:])):
         print(f"== {name} ({len(part)} prompts)")
-        table(part, SuffixReplay)
+        table(part, replay_cut)
 
 
-def table(rows, SuffixReplay):
+def table(rows, replay_cut):
     stats = {}
     for p in PROBS:
-        toks = steps = drafted = accepted = 0
-        for seed in (0, 1, 2):
-            order = list(range(len(rows)))
-            random.Random(seed).shuffle(order)
-            s = SuffixReplay(SimpleNamespace(max_tree_depth=24, max_cached_requests=10000, max_spec_factor=1.0,
-                                             max_spec_offset=0.0, min_token_prob=p))
-            for i in order:
-                _, ids, out = rows[i]
-                st = s.steps(ids, out, 16)
-                toks, steps = toks + len(out), steps + len(st)
-                drafted += sum(x.drafted for x in st)
-                accepted += sum(x.accepted for x in st)
-        stats[p] = (toks / steps, drafted / steps, accepted / max(drafted, 1))
+        stats[p] = replay_cut(rows, p)
         print(f"min_token_prob {p}: tau {stats[p][0]:.3f}  delta {stats[p][1]:.3f}  accepted/drafted {stats[p][2]:.3f}")
     print("goodput against plain decoding, tau / (1 + beta * delta); in brackets against min_token_prob 0.1")
     for beta in BETAS:

@@ -4,16 +4,14 @@
 
 Greedy outputs (128 tokens) of the tune halves, as `../method-ceiling/replay.py` makes them (its
 `--outputs` file); the Spec-Bench rows are replayed through one suffix cache in 3 shuffled orders
-(`cluster.bench.prior_alpha.SuffixReplay`, K 16) with `min_token_prob` cut at each value: tokens a
+(`cluster.bench.prior_alpha.replay_cut`, K 16) with `min_token_prob` cut at each value: tokens a
 step yields, drafts a step verifies, and the share of drafts accepted.
 """
 
 import argparse
 import json
 import os
-import random
 import sys
-from types import SimpleNamespace
 
 sys.path.insert(0, os.getcwd())
 
@@ -24,27 +22,15 @@ def main():
     args = ap.parse_args()
     if not os.path.exists(args.outputs):
         sys.exit(f"{args.outputs}: run docs/benchmarks/method-ceiling/replay.py first (it writes the greedy outputs)")
-    from cluster.bench.prior_alpha import SuffixReplay
+    from cluster.bench.prior_alpha import replay_cut
     from cluster.bench.split import TUNE, keep
     from cluster.bench.workload import load_prompts
 
     # The Spec-Bench tune half comes first in the outputs file (the repeated-structure one after it).
     rows = json.load(open(args.outputs))[:len(keep(load_prompts("cluster/data/specbench-dev.jsonl"), TUNE))]
     for p in (0.5, 0.6, 0.7, 0.8, 0.9, 0.95):
-        toks = steps = drafted = accepted = 0
-        for seed in (0, 1, 2):
-            order = list(range(len(rows)))
-            random.Random(seed).shuffle(order)
-            s = SuffixReplay(SimpleNamespace(max_tree_depth=24, max_cached_requests=10000, max_spec_factor=1.0,
-                                             max_spec_offset=0.0, min_token_prob=p))
-            for i in order:
-                _, ids, out = rows[i]
-                st = s.steps(ids, out, 16)
-                toks, steps = toks + len(out), steps + len(st)
-                drafted += sum(x.drafted for x in st)
-                accepted += sum(x.accepted for x in st)
-        print(f"min_token_prob {p}: tokens/step {toks / steps:.3f}  drafts/step {drafted / steps:.3f}  "
-              f"accepted/drafted {accepted / max(drafted, 1):.3f}")
+        tau, delta, share = replay_cut(rows, p)
+        print(f"min_token_prob {p}: tokens/step {tau:.3f}  drafts/step {delta:.3f}  accepted/drafted {share:.3f}")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from cluster.bench import anchors as A
 from cluster.bench import plan as P
 from cluster.bench import trace as T
 from cluster.bench.metrics import Sample, Slo
-from cluster.bench.phases import PhaseRun, estimate, log, print_estimate, run_phases
+from cluster.bench.phases import PhaseRun, estimate, log, print_estimate, repeat_bias, run_phases
 from cluster.bench.report import build_summary, git_short_rev, render_markdown, results_dir, write_results
 from cluster.bench.runner import SETTLE_S
 from cluster.bench.split import ALL, SPLITS, keep
@@ -83,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "load phase or trace round only when another cluster configuration answered since (it got the same "
            "prompts) or the prompts come round again: a tree that holds a prompt's answer drafts it whole. "
            "Otherwise they keep what they served, as a stock suffix server does.")
+    a("--allow-repeated-prompts", action="store_true",
+      help="Run even where the load phases resend prompts while a stock suffix server is measured (it keeps its "
+           "earlier answers and drafts them whole; by default the bench refuses).")
     a("--forget-outputs", action="store_true",
       help="Ask the cluster's suffix trees to forget before every load phase and trace round of a cluster "
            "configuration, even where they hold only that configuration's answers to other prompts (a stock "
@@ -308,12 +311,14 @@ def run(args: argparse.Namespace) -> int:
 
     # 4. Plan and estimate. The load phases' prompts: fresh ones for every round where the file has
     # enough, tasks round-robin so that every phase (the next n of the cycled list) holds every task.
-    need = max(P.sweep_starts(levels, len(prompts), args.sweep_rounds, args.sweep_requests)[-1]
-               + len(offsets) * args.trace_rounds, args.max_requests if args.rate else 0)
+    load_sends = P.sweep_starts(levels, len(prompts), args.sweep_rounds, args.sweep_requests)[-1] \
+        + len(offsets) * args.trace_rounds
+    need = max(load_sends, args.max_requests if args.rate else 0)
     # Every prompt of each task, in a seeded order, tasks round-robin, the first `need`: a task with
     # fewer leaves its turns to the others, so the phases get as many distinct prompts as there are.
     unsent = load_prompt_pool(prompts_all, [p for draw in (draws or [prompts]) for p in draw])
-    sweep_prompts = interleave_tasks(select(unsent, len(unsent), args.seed + 1, tasks, args.max_prompt_chars))[:need]
+    usable = interleave_tasks(select(unsent, len(unsent), args.seed + 1, tasks, args.max_prompt_chars))
+    sweep_prompts = usable[:need]
     shape = P.PlanShape(
         n_compare_configs=len(configs), n_prompts=len(prompts), max_tokens=args.max_tokens,
         greedy_repeats=args.repeats if 0 in temperatures else 0,
@@ -326,6 +331,12 @@ def run(args: argparse.Namespace) -> int:
                     sweep_prompts=sweep_prompts, temperatures=temperatures, levels=levels, max_k=max_k or {},
                     shape=shape, pools=model.pools, repeat_prompts=draws,
                     arrivals=T.build_schedule(offsets, sweep_prompts, args.max_tokens, generated))
+    sent = {p.text for draw in (draws or [prompts]) for p in draw}
+    bias = repeat_bias([c.name for c in P.expand_configs(sweep_spec, configs, {}, max_k)], load_sends,
+                       len(usable), any(p.text in sent for p in sweep_prompts))
+    if bias and not getattr(args, "allow_repeated_prompts", False):
+        log(f"bench: {bias}")
+        return 2
     n_started = sum(1 for b in baselines if not b.url)
     _print_plan(run_, args, baselines, pool_name, trace_source, n_started)
     if args.dry_run:

@@ -132,6 +132,37 @@ async def run_phases(run: PhaseRun) -> None:
 STATELESS_STOCK = ("stock-none", "stock-table", "stock-ngram:")
 
 
+# Stock servers that learn from what they serve (a suffix tree per server, never emptied).
+STATEFUL_STOCK = ("stock-suffix",)
+
+
+def repeat_bias(sweep: list[str], sends: int, distinct: int, resends_compared: bool) -> Optional[str]:
+    """Why the load phases would favour a stock suffix server, or None when they would not.
+
+    A stock suffix server keeps every answer it gave: a prompt that comes round again (the phases
+    need more than the `distinct` prompts they may use, or resend the one-stream comparison's) is
+    drafted whole from its own earlier answer, while the cluster's trees forget before such a round
+    (`must_forget`). The comparison would then measure memory, not drafting.
+
+    >>> repeat_bias(["auto", "stock-suffix"], 111, 111, False) is None
+    True
+    >>> repeat_bias(["auto", "stock-table"], 298, 229, True) is None
+    True
+    >>> print(repeat_bias(["auto", "stock-suffix"], 298, 229, False))  # doctest: +ELLIPSIS
+    the load phases send 298 prompts but only 229 distinct ones are left: stock-suffix would ...
+    >>> "comparison sent" in repeat_bias(["stock-suffix"], 10, 50, True)
+    True
+    """
+    stateful = [n for n in sweep if n in STATEFUL_STOCK]
+    if not stateful or (sends <= distinct and not resends_compared):
+        return None
+    what = (f"send {sends} prompts but only {distinct} distinct ones are left" if sends > distinct
+            else "resend prompts the one-stream comparison sent")
+    return (f"the load phases {what}: {', '.join(stateful)} would draft those from its own earlier answers, "
+            "which the cluster's suffix trees forget first; lower --sweep-requests, --sweep-rounds, --trace-rounds "
+            "or --trace-max-requests, leave it out of --sweep-configs, or pass --allow-repeated-prompts")
+
+
 def must_forget(cfg: P.BenchConfig, answered: set[str], prompts_repeat: bool) -> bool:
     """Whether the cluster's suffix trees must forget before `cfg`'s next load phase or trace round.
 

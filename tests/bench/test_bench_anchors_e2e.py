@@ -190,3 +190,18 @@ def test_runner_timeout_and_schedule():
     assert all(not s.ok and "request timeout (0.2 s)" in s.error for s in samples)
     assert [s.start_s - samples[0].start_s for s in samples] == pytest.approx([0.0, 0.15, 0.3], abs=0.08)
     assert all(s.latency_s == pytest.approx(0.2, abs=0.1) for s in samples) and wall < 1.0
+
+
+def test_a_stock_suffix_anchor_is_refused_where_the_load_phases_resend_prompts(capsys):
+    # a stock suffix server keeps its answers: resent prompts would be drafted whole from them
+    with FakeServer() as fake:
+        argv = ["--url", fake.url, "--dry-run", "--quick", "--prompts-per-task", "1", "--concurrency", "1",
+                "--baseline-url", f"stock-suffix={fake.url}", "--trace", "20:30", "--trace-rounds", "3"]
+        assert run_cli(argv) == 2
+        err = capsys.readouterr().err
+        assert "stock-suffix would draft those from its own earlier answers" in err and "--trace-rounds" in err
+        assert run_cli(argv + ["--allow-repeated-prompts"]) == 0
+        assert "some come round again" in capsys.readouterr().err
+        # enough fresh prompts for every round, or no stateful anchor: no refusal
+        assert run_cli(argv[:-4] + ["--trace", "1:5", "--trace-rounds", "3"]) == 0
+        assert run_cli([a.replace("stock-suffix=", "stock-none=") for a in argv]) == 0

@@ -23,8 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 from collections import defaultdict
+from types import SimpleNamespace
 from typing import Iterable, Optional, Sequence
 
 from cluster.bench.anchors import stock_engine_args, stock_env
@@ -151,9 +153,6 @@ def replay_cut(rows: Sequence[tuple[str, Sequence[int], Sequence[int]]], min_tok
     """Greedy (name, prompt_ids, output_ids) rows replayed through one fresh suffix cache per seed,
     in that seed's shuffled order, drafting up to `k` with `min_token_prob` as the cut: tokens a
     step yields, drafts a step verifies, and the share of drafts accepted, over all seeds."""
-    import random
-    from types import SimpleNamespace
-
     toks = steps = drafted = accepted = 0
     for seed in seeds:
         order = list(range(len(rows)))

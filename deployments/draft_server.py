@@ -116,11 +116,15 @@ class DraftServer:
 
     def _admit(self, conn: socket.socket, peer: Any) -> None:
         stats = self.drafter.stats
-        with self._lock:
+        with self._lock:  # close() sets _closed, then takes this lock to list the connections it drops
+            closing = self._closed.is_set()  # accepted as close() began: it will not see this one
             full = len(self._conns) >= self.max_connections or self._pending >= self.max_pending
-            if not full:
+            if not (closing or full):
                 self._conns.add(conn)
                 self._pending += 1
+        if closing:
+            _close(conn)
+            return
         if full:
             stats.connections_refused += 1
             self._warn_refused("drafter endpoint %s: refused a connection from %s (%d connections, %d in "

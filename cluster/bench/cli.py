@@ -266,6 +266,13 @@ def _print_plan(run_: PhaseRun, args, baselines: list[A.Baseline], pool_name: Op
         shape = T.schedule_shape(run_.arrivals)
         log(f"bench: trace {trace_source}: {shape['arrivals']} arrivals over {shape['span_s']:.0f} s (mean "
             f"{shape['mean_rate_rps']:.3f} req/s), replayed in {args.trace_rounds} rounds by the sweep configurations")
+    tokens = [t.strip() for t in run_.sweep_spec.split(",")]
+    n_sweep = len(P.expand_configs(run_.sweep_spec, configs, {}, run_.max_k)) + (P.BEST in tokens)
+    for what, rounds, used in (("--sweep-rounds", args.sweep_rounds, any(c > 1 for c in levels)),
+                               ("--trace-rounds", args.trace_rounds, bool(run_.arrivals))):
+        if used and any(P.order_drift(n_sweep, rounds)):
+            log(f"bench: {what} {rounds}: the last round's order has no reversed twin, so a drift in the "
+                f"machine's speed over the run does not cancel between configurations; an even number balances it")
     print_estimate(f"bench: estimate at {args.assumed_tokens_per_s:g} tok/s one stream",
                    estimate(run_, args.assumed_tokens_per_s, n_started))
 

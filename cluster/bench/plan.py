@@ -278,6 +278,22 @@ def sweep_round_orders(n_configs: int, rounds: int, shift: int = 0) -> list[list
     return orders
 
 
+def order_drift(n_configs: int, rounds: int, shift: int = 0) -> list[float]:
+    """Each configuration's mean position (0 = first) over the rounds of `sweep_round_orders`, less
+    the middle (n_configs - 1) / 2: all zero where the orders cancel a drift linear in time. An odd
+    number of rounds leaves its last round unpaired, and a slowing machine then favours the
+    configurations that round runs early (the sign of the entry: negative runs earlier).
+
+    >>> order_drift(4, 4), order_drift(4, 3)  # auto (index 0) first, last, last: 2.0 against 1.5
+    ([0.0, 0.0, 0.0, 0.0], [0.5, -0.5, -0.167, 0.167])
+    """
+    orders = sweep_round_orders(n_configs, rounds, shift)
+    if not orders or n_configs <= 0:
+        return [0.0] * max(n_configs, 0)
+    mid = (n_configs - 1) / 2.0
+    return [round(sum(o.index(i) for o in orders) / len(orders) - mid, 3) for i in range(n_configs)]
+
+
 def aggregate_tokens_per_s(concurrency: int, single_tokens_per_s: float, saturation: float = 0.15) -> float:
     """Assumed aggregate decode rate at `concurrency` streams: c / (1 + saturation * (c - 1)) times
     the single-stream rate (saturates at 1 / saturation times; 0.15 fits the batch-16 throughput measured here)."""

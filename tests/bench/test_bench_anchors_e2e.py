@@ -148,6 +148,9 @@ def test_dry_run_prints_baselines_and_trace(tmp_path, capsys):
         assert 'stock-ngram:2 = {"method":"ngram","num_speculative_tokens":2,"prompt_lookup_min":1,"prompt_lookup_max":4}' in err
         assert "started like pool ng's engine" in err and "sweep none,best,auto,stock in" in err
         assert "bench: trace Poisson segments 0.5:20,2:10 (seed 0):" in err and "replayed in 3 rounds" in err
+        # 3 trace rounds leave the last order unpaired (the plan says so); the quick sweep's 2 do not.
+        assert "bench: --trace-rounds 3: the last round's order has no reversed twin" in err
+        assert "--sweep-rounds 2:" not in err
         assert "stock_start 5.0" in err and "trace " in err
         assert not list(tmp_path.glob("2*")) and not fake.requests
         # errors: exit 2 with the flag named

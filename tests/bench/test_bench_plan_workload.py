@@ -98,6 +98,19 @@ def test_sweep_round_orders_rotate_and_reverse():
     assert P.sweep_round_orders(3, 1) == [[0, 1, 2]] and P.sweep_round_orders(0, 2) == [[], []]
 
 
+def test_order_drift_is_zero_only_for_an_even_number_of_rounds():
+    for n in (2, 3, 4, 5):
+        for shift in (0, 1, 2):
+            for rounds in (2, 4, 6):
+                assert P.order_drift(n, rounds, shift) == [0.0] * n
+            for rounds in (1, 3, 5):  # the last round has no reversed twin
+                drift = P.order_drift(n, rounds, shift)
+                assert any(drift) and abs(sum(drift)) < 1e-6, (n, rounds, shift, drift)
+    # Four configurations over three rounds (the capacity traces): the first runs first, last, last.
+    assert P.order_drift(4, 3)[0] == 0.5
+    assert P.order_drift(1, 3) == [0.0] and P.order_drift(0, 3) == [] and P.order_drift(3, 0) == [0.0] * 3
+
+
 def test_sweep_sizes_and_estimate():
     assert P.sweep_requests(1, 12) == 12 and P.sweep_requests(32, 12) == 64
     assert P.aggregate_tokens_per_s(1, 10.0) == 10.0

@@ -151,8 +151,11 @@ def router_verdict(summary: dict[str, Any], temperature: str = "0") -> dict[str,
             noisy.append("one_stream")
         tasks = {}
         for task, arow in rows[AUTO]["by_task"].items():
+            # Speedups are over `none` in the same repeat: a run without it has no per-task verdict.
             speeds = {c: r["by_task"][task]["speedup"] for c, r in rows.items()
-                      if _static(c, anchors) and task in r["by_task"]}
+                      if _static(c, anchors) and task in r["by_task"] and _rate(r["by_task"][task].get("speedup")) is not None}
+            if _rate(arow.get("speedup")) is None or not speeds:
+                continue
             tbest = max(speeds, key=speeds.get)
             ratio = arow["speedup"] / speeds[tbest]
             tcv = cross_validated_best(arow.get("rounds"), {c: r["by_task"][task].get("rounds") for c, r in rows.items()
@@ -161,19 +164,20 @@ def router_verdict(summary: dict[str, Any], temperature: str = "0") -> dict[str,
                            "best_static_speedup": speeds[tbest], "ratio": ratio,
                            "ok": ratio >= ROUTER_TASK_TOLERANCE, **tcv,
                            "cv_ok": None if tcv["cv_ratio"] is None else tcv["cv_ratio"] >= ROUTER_TASK_TOLERANCE}
-        verdict["by_task"] = tasks
+        if tasks:
+            verdict["by_task"] = tasks
     load = summary["load"]
     if AUTO in load:
         levels = {}
         for level, arow in load[AUTO].items():
-            plain = _load_tput(level, load[NONE][level]) if level in load.get(NONE, {}) else 0.0
+            plain = _load_tput(level, load[NONE][level]) if level in load.get(NONE, {}) else None  # None: not run
             spec = {c: _load_tput(level, lv[level]) for c, lv in load.items()
                     if c != NONE and _static(c, anchors) and level in lv}
             sbest = max(spec, key=spec.get) if spec else None
-            ref = max(plain, spec[sbest] if sbest else 0.0)
+            ref = max(plain or 0.0, spec[sbest] if sbest else 0.0)
             if ref <= 0:
                 continue
-            ref_cfg = NONE if plain >= ref else sbest
+            ref_cfg = NONE if plain is not None and plain >= ref else sbest
             auto = _load_tput(level, arow)
             levels[level] = {"auto_tokens_per_s": auto, "none_tokens_per_s": plain, "best_static": sbest,
                              "best_static_tokens_per_s": spec.get(sbest), "reference": ref_cfg,

@@ -156,3 +156,21 @@ def test_a_growing_k_is_not_a_static_configuration():
     v = router_verdict(s)
     assert v["one_stream"]["best_static"] == "ngram:3" and v["by_task"]["qa"]["best_static"] == "ngram:1"
     assert v["load"]["4"]["ratio"] == pytest.approx(27.0 / 27.70) and v["all_ok"]
+
+
+def test_without_none_there_is_no_per_task_verdict_and_no_plain_reference():
+    """Speedups are over `none`: a run without it (`--configs auto,suffix:16` beside stock anchors)
+    has no per-task verdict, and its load reference is the best static configuration alone. Neither
+    may read as a failed target."""
+    s = summary()
+    del s["comparison"]["0"]["none"], s["load"]["none"]
+    for row in s["comparison"]["0"].values():
+        row["by_task"] = {t: {"speedup": None} for t in row["by_task"]}
+    v = router_verdict(s)
+    assert "by_task" not in v
+    assert v["load"]["16"]["none_tokens_per_s"] is None and v["load"]["16"]["reference"] == "ngram:3"
+    assert v["load"]["16"]["ratio"] == pytest.approx(48.0 / 45.17) and v["all_ok"]
+    text = "\n".join(_router_lines(v))
+    assert "| 16 | 48.00 | - | ngram:3 |" in text and "All router targets met: yes." in text
+    s["load"]["auto"]["16"] = _lvl(43.0)  # 43 / 45.17 = 0.952: the load target still fails
+    assert not router_verdict(s)["all_ok"]

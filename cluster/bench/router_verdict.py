@@ -153,7 +153,8 @@ def router_verdict(summary: dict[str, Any], temperature: str = "0") -> dict[str,
         for task, arow in rows[AUTO]["by_task"].items():
             # Speedups are over `none` in the same repeat: a run without it has no per-task verdict.
             speeds = {c: r["by_task"][task]["speedup"] for c, r in rows.items()
-                      if _static(c, anchors) and task in r["by_task"] and _rate(r["by_task"][task].get("speedup")) is not None}
+                      if _static(c, anchors) and task in r["by_task"]
+                      and _rate(r["by_task"][task].get("speedup")) is not None}
             if _rate(arow.get("speedup")) is None or not speeds:
                 continue
             tbest = max(speeds, key=speeds.get)

@@ -13,9 +13,14 @@ Words (with those of `cluster.bench.metrics`):
   tail. `wall_ratio` gives the pooled wall-span ratio of the load table beside it.
 - *paired bootstrap*: units are requests matched across the two configurations: at one stream by
   prompt (repeats summed), at a load level by (round, prompt, occurrence), every configuration
-  getting the same prompts in a round, on the trace by arrival index (rounds pooled). A draw
-  resamples units with replacement, the same units for both, and recomputes the ratio; the 95%
-  interval is the 2.5 and 97.5% quantiles of BOOTSTRAP_RESAMPLES draws, seeded.
+  getting the same prompts in a round, on the trace by (round, arrival index). A draw resamples
+  units with replacement, the same units for both, and recomputes the ratio; the 95% interval is
+  the 2.5 and 97.5% quantiles of BOOTSTRAP_RESAMPLES draws, seeded.
+- *rounds as clusters*: under load and on the trace each configuration runs its own phase of a
+  round, and a machine's speed moves 10-20% within minutes, so one phase's requests share a speed.
+  A draw takes rounds with replacement, then requests within each drawn round (two-stage), and the
+  interval holds the round-to-round spread. At one stream each prompt goes through every
+  configuration in turn, seconds apart: the drift is paired out and requests alone are resampled.
 - *verdict*: `win` when the interval's lower bound is >= 1, `loss` when its upper bound is < 1, `tie`
   when it holds 1. *target met* (the issue's target): ratio >= 1.00 and lower bound >= 0.97. Latency
   (lower is better) is judged on its inverse (the other's latency / auto's).
@@ -55,6 +60,42 @@ def bootstrap_ci(n_units: int, stat: Callable[[list[int]], float], resamples: in
     return [percentile(values, 2.5), percentile(values, 97.5)] if values else None
 
 
+def clustered_bootstrap_ci(clusters: list[list[int]], stat: Callable[[list[int]], float],
+                           resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> Optional[list[float]]:
+    """95% interval of `stat` when units come in clusters (the requests of one round): a draw takes
+    clusters with replacement, then units within each drawn cluster with replacement. With one
+    cluster it is `bootstrap_ci` over that cluster's units, draw for draw. None below two units.
+
+    >>> spread = [[0, 1, 2], [3, 4, 5]]  # units 0-2 measured at 1.0, units 3-5 at 2.0
+    >>> value = lambda idx: sum(1.0 if i < 3 else 2.0 for i in idx) / len(idx)
+    >>> clustered_bootstrap_ci(spread, value, resamples=400)  # the rounds disagree: the interval spans both
+    [1.0, 2.0]
+    >>> clustered_bootstrap_ci([[0, 1, 2, 3, 4, 5]], value, resamples=400) == bootstrap_ci(6, value, resamples=400)
+    True
+    """
+    groups = [c for c in clusters if c]
+    if sum(len(c) for c in groups) < 2:
+        return None
+    rng = random.Random(seed)
+    values = []
+    for _ in range(resamples):
+        drawn = rng.choices(groups, k=len(groups)) if len(groups) > 1 else groups
+        v = stat([i for c in drawn for i in rng.choices(c, k=len(c))])
+        if v is not None and math.isfinite(v):
+            values.append(v)
+    return [percentile(values, 2.5), percentile(values, 97.5)] if values else None
+
+
+def _clusters(keys: list[Any], cluster_of: Optional[Callable[[Any], Any]]) -> list[list[int]]:
+    """Unit indices grouped by `cluster_of(key)` (one cluster of every unit when None)."""
+    if cluster_of is None:
+        return [list(range(len(keys)))]
+    out: dict[Any, list[int]] = {}
+    for i, k in enumerate(keys):
+        out.setdefault(cluster_of(k), []).append(i)
+    return [out[c] for c in sorted(out, key=repr)]
+
+
 def classify(ratio: Optional[float], ci: Optional[list[float]], higher_is_better: bool = True) -> dict[str, Any]:
     """win / tie / loss from the interval, and whether the issue's target holds.
 
@@ -91,10 +132,12 @@ def _unit_rates(samples: list[Sample], key: Callable[[Sample], Any]) -> dict[Any
     return out
 
 
-def paired_units(a: list[Sample], b: list[Sample], key: Callable[[Sample], Any]) -> list[tuple[float, ...]]:
-    """(tokens a, latency a, tokens b, latency b) per key present (and successful) on both sides."""
+def paired_units(a: list[Sample], b: list[Sample], key: Callable[[Sample], Any]) -> tuple[list[Any], list[tuple[float, ...]]]:
+    """The keys present (and successful) on both sides, and per key (tokens a, latency a, tokens b,
+    latency b)."""
     ta, tb = _unit_rates(a, key), _unit_rates(b, key)
-    return [(*ta[k], *tb[k]) for k in sorted(ta, key=repr) if k in tb]
+    keys = [k for k in sorted(ta, key=repr) if k in tb]
+    return keys, [(*ta[k], *tb[k]) for k in keys]
 
 
 def _rate_ratio(units: list[tuple[float, ...]], idx: list[int]) -> float:
@@ -117,12 +160,14 @@ def occurrence_keys(samples: list[Sample]) -> dict[int, tuple]:
 
 
 def throughput_ratio(auto: list[Sample], other: list[Sample], key: Callable[[Sample], Any],
-                     wall: bool, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> dict[str, Any]:
-    """auto over one other configuration: ratio of request rates on the paired units, its interval,
-    the per-round ratios (wall spans at a load level, summed latency at one stream) and the verdict."""
-    units = paired_units(auto, other, key)
+                     wall: bool, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED,
+                     round_of: Optional[Callable[[Any], Any]] = None) -> dict[str, Any]:
+    """auto over one other configuration: ratio of request rates on the paired units, its interval
+    (rounds as clusters when `round_of` maps a unit's key to its round), the per-round ratios (wall
+    spans at a load level, summed latency at one stream) and the verdict."""
+    keys, units = paired_units(auto, other, key)
     ratio = _rate_ratio(units, list(range(len(units)))) if units else math.nan
-    ci = bootstrap_ci(len(units), lambda idx: _rate_ratio(units, idx), resamples, seed)
+    ci = clustered_bootstrap_ci(_clusters(keys, round_of), lambda idx: _rate_ratio(units, idx), resamples, seed)
     ra, rb = round_rates(auto, wall=wall), round_rates(other, wall=wall)
     row = {"ratio": ratio, "ci95": ci, "units": len(units), "round_ratios": paired_ratios(ra, rb),
            **classify(ratio, ci)}
@@ -207,8 +252,8 @@ def anchor_verdicts(samples: list[Sample], anchors: list[str], resamples: int = 
                     seed: int = BOOTSTRAP_SEED) -> dict[str, Any]:
     """{"one_stream": ..., "load": {streams: ...}}: auto's throughput against the best anchor and the
     best other configuration. One stream: the greedy comparison, paired by prompt. A level: the
-    sweep's phases at that many streams, paired by (round, prompt, occurrence); the best is chosen by
-    the pooled wall-span throughput of the load table."""
+    sweep's phases at that many streams, paired by (round, prompt, occurrence), rounds as clusters;
+    the best is chosen by the pooled wall-span throughput of the load table."""
     out: dict[str, Any] = {}
     compare = [s for s in samples if s.phase == "compare" and s.temperature == 0]
     by_cfg = group_by(compare, lambda s: s.config)
@@ -240,7 +285,8 @@ def anchor_verdicts(samples: list[Sample], anchors: list[str], resamples: int = 
         keys = occurrence_keys(level)
         load[str(c)] = _against(by_cfg, anchors, lambda g: pooled_rate(round_rates(g, wall=True)),
                                 lambda a, b: throughput_ratio(a, b, lambda s: keys[id(s)], wall=True,
-                                                              resamples=resamples, seed=seed))
+                                                              resamples=resamples, seed=seed,
+                                                              round_of=lambda k: k[0]))
     if load:
         out["load"] = load
     return out
@@ -277,33 +323,30 @@ def trace_table(samples: list[Sample], slo: Slo = Slo()) -> dict[str, Any]:
 def latency_ratio(auto: list[Sample], other: list[Sample], resamples: int = BOOTSTRAP_RESAMPLES,
                   seed: int = BOOTSTRAP_SEED) -> dict[str, Any]:
     """auto's mean latency / the other's, and p99 / p99, over arrivals both served in the same round;
-    paired bootstrap over arrival indices (rounds pooled)."""
+    paired bootstrap over (round, arrival index), rounds as clusters."""
     def by_arrival(samples: list[Sample]) -> dict[tuple, float]:
-        return {(s.arrival, s.repeat): s.latency_s for s in samples if s.ok and s.latency_s is not None}
+        return {(s.repeat, s.arrival): s.latency_s for s in samples if s.ok and s.latency_s is not None}
 
     a, b = by_arrival(auto), by_arrival(other)
-    units: dict[Any, tuple[list[float], list[float]]] = {}
-    for key in sorted(set(a) & set(b)):
-        la, lb = units.setdefault(key[0], ([], []))
-        la.append(a[key])
-        lb.append(b[key])
-    rows = list(units.values())
+    keys = sorted(set(a) & set(b), key=repr)
+    rows = [(a[k], b[k]) for k in keys]
+    clusters = _clusters(keys, lambda k: k[0])
 
     def mean_ratio(idx: list[int]) -> float:
-        sa = sum(sum(rows[i][0]) for i in idx)
-        sb = sum(sum(rows[i][1]) for i in idx)
-        return sa / sb if sb > 0 else math.nan
+        sb = sum(rows[i][1] for i in idx)
+        return sum(rows[i][0] for i in idx) / sb if sb > 0 else math.nan
 
     def p99_ratio(idx: list[int]) -> float:
-        pb = percentile([x for i in idx for x in rows[i][1]], 99)
-        return percentile([x for i in idx for x in rows[i][0]], 99) / pb if pb > 0 else math.nan
+        pb = percentile([rows[i][1] for i in idx], 99)
+        return percentile([rows[i][0] for i in idx], 99) / pb if pb > 0 else math.nan
 
     everything = list(range(len(rows)))
     ratio = mean_ratio(everything) if rows else math.nan
-    ci = bootstrap_ci(len(rows), mean_ratio, resamples, seed)
+    ci = clustered_bootstrap_ci(clusters, mean_ratio, resamples, seed)
     p99 = p99_ratio(everything) if rows else math.nan
-    return {"ratio": ratio, "ci95": ci, "arrivals": len(rows), **classify(ratio, ci, higher_is_better=False),
-            "p99_ratio": p99, "p99_ci95": bootstrap_ci(len(rows), p99_ratio, resamples, seed + 1)}
+    return {"ratio": ratio, "ci95": ci, "arrivals": len({k[1] for k in keys}), "units": len(rows),
+            **classify(ratio, ci, higher_is_better=False),
+            "p99_ratio": p99, "p99_ci95": clustered_bootstrap_ci(clusters, p99_ratio, resamples, seed + 1)}
 
 
 def trace_verdict(samples: list[Sample], anchors: list[str], resamples: int = BOOTSTRAP_RESAMPLES,
@@ -411,7 +454,8 @@ def render_lines(summary: dict[str, Any]) -> list[str]:
                   f"Anchors: {', '.join(f'`{a}`' for a in anchors) or 'none'}. Ratio = auto / "
                   "the other (throughput: summed tokens / summed request latency over requests paired by prompt; "
                   "trace: mean latency over arrivals paired by index, lower is better); 95% paired bootstrap "
-                  f"interval over {BOOTSTRAP_RESAMPLES} draws; win = interval above 1, loss = below, tie = holds 1; "
+                  f"interval over {BOOTSTRAP_RESAMPLES} draws (under load and on the trace, rounds first and "
+                  "requests within them, so the interval holds the machine's drift between phases); win = interval above 1, loss = below, tie = holds 1; "
                   f"target: ratio >= {TARGET_RATIO:.2f} with lower bound >= {TARGET_LOWER} (latency: its inverse).", ""]
         header = ["phase", "auto", "against", "ratio", "95% CI", "per round (wall) / p99", "verdict", "target met"]
         sides = [("best anchor", "vs_best_anchor")] * bool(anchors) + [("best of all other configurations",

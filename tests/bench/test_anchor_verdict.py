@@ -66,8 +66,9 @@ def test_bootstrap_ci_edges():
     assert lo < 24.5 < hi
 
 
-def closed_loop(speed_of: dict, streams=4, rounds=2, per_phase=8, seed=0):
-    """A load level: each round every config runs the same prompts (one prompt twice), phases in turn."""
+def closed_loop(speed_of: dict, streams=4, rounds=2, per_phase=8, seed=0, drift=None):
+    """A load level: each round every config runs the same prompts (one prompt twice), phases in turn;
+    `drift` {(config, round): factor} slows a whole phase (the machine's speed during it)."""
     rng = random.Random(seed)
     out, t = [], 0.0
     for r in range(rounds):
@@ -76,7 +77,7 @@ def closed_loop(speed_of: dict, streams=4, rounds=2, per_phase=8, seed=0):
             starts = [t] * streams
             for i, p in enumerate(prompts[:per_phase]):
                 k = i % streams
-                lat = 30 / speed * (1 + rng.uniform(-0.02, 0.02))
+                lat = 30 / speed * (1 + rng.uniform(-0.02, 0.02)) * (drift or {}).get((cfg, r), 1.0)
                 out.append(sample(cfg, p, 30, lat, phase="sweep", repeat=r, start=starts[k], concurrency=streams))
                 starts[k] += lat
             t = max(starts) + 1.0
@@ -95,13 +96,30 @@ def test_load_level_verdict_pairs_by_round_prompt_and_occurrence():
     assert "one_stream" not in V.anchor_verdicts(samples, ["stock-none"])
 
 
-def trace_samples(latency_of: dict, arrivals=20, rounds=2, fail=()):
+def test_a_load_level_whose_rounds_disagree_is_a_tie():
+    """Requests of one phase share the machine's speed during it: auto 1.1x in two rounds and 0.9x in
+    the third is not a win, however tight each round is (pooling the requests would call it one)."""
+    drift = {("auto", 1): 1.1 / 0.9}  # auto's second phase ran while the machine was slower
+    samples = closed_loop({"stock-none": 5.0, "auto": 5.5}, rounds=3, drift=drift)
+    anchor = V.anchor_verdicts(samples, ["stock-none"], resamples=500)["load"]["4"]["vs_best_anchor"]
+    assert [round(x, 2) for x in anchor["round_ratios"]] == pytest.approx([1.1, 0.9, 1.1], abs=0.03)
+    assert anchor["ci95"][0] < 0.95 and anchor["ci95"][1] > 1.05 and anchor["verdict"] == "tie"
+    keys, units = V.paired_units([s for s in samples if s.config == "auto"],
+                                 [s for s in samples if s.config == "stock-none"],
+                                 lambda s, k=V.occurrence_keys(samples): k[id(s)])
+    narrow = V.bootstrap_ci(len(units), lambda idx: V._rate_ratio(units, idx), 500)
+    assert narrow[0] > 0.97  # requests pooled over rounds: a spurious near-win
+    agreeing = closed_loop({"stock-none": 5.0, "auto": 5.5}, rounds=3)
+    assert V.anchor_verdicts(agreeing, ["stock-none"], resamples=500)["load"]["4"]["vs_best_anchor"]["verdict"] == "win"
+
+
+def trace_samples(latency_of: dict, arrivals=20, rounds=2, fail=(), drift=None):
     out = []
     for r in range(rounds):
         t0 = 1000.0 * r
         for cfg, base in latency_of.items():
             for i in range(arrivals):
-                lat = base * (1 + 0.1 * (i % 5))
+                lat = base * (1 + 0.1 * (i % 5)) * (drift or {}).get((cfg, r), 1.0)
                 ok = (cfg, r, i) not in fail
                 out.append(sample(cfg, i % 7, 10, lat, phase="trace", repeat=r, start=t0 + 2.0 * i, concurrency=0,
                                   ok=ok, ttft=0.1 * base, arrival=i))
@@ -137,6 +155,15 @@ def test_trace_latency_verdict_paired_by_arrival():
     worse = V.trace_verdict(trace_samples({"auto": 1.2, "stock-none": 1.0}), ["stock-none"], resamples=500)
     assert worse["vs_best_anchor"]["verdict"] == "loss" and worse["vs_best_anchor"]["target_met"] is False
     assert V.trace_verdict(trace_samples({"none": 1.0}), []) is None
+
+
+def test_a_trace_whose_rounds_disagree_is_a_tie():
+    steady = trace_samples({"auto": 0.9, "stock-none": 1.0}, rounds=3)
+    assert V.trace_verdict(steady, ["stock-none"], resamples=500)["vs_best_anchor"]["verdict"] == "win"
+    drifting = trace_samples({"auto": 0.9, "stock-none": 1.0}, rounds=3, drift={("auto", 2): 1.3})
+    anchor = V.trace_verdict(drifting, ["stock-none"], resamples=500)["vs_best_anchor"]
+    assert anchor["units"] == 60 and anchor["arrivals"] == 20
+    assert anchor["ci95"][0] < 1.0 < anchor["ci95"][1] and anchor["verdict"] == "tie"
 
 
 def test_summary_and_report_carry_the_anchor_sections():

@@ -19,9 +19,9 @@ from typing import Any, Optional
 
 from cluster.bench.metrics import (Sample, Slo, check_lossless, group_by, pooled_rate, repeat_spread, round_rates,
                                    speedup, summarize)
+from cluster.bench.bootstrap import BOOTSTRAP_RESAMPLES
 from cluster.bench.plan import AUTO, NONE
-from cluster.bench.router_verdict import (BOOTSTRAP_RESAMPLES, ROUTER_LOAD_TOLERANCE, ROUTER_TASK_TOLERANCE,
-                                          router_verdict)
+from cluster.bench.router_verdict import ROUTER_LOAD_TOLERANCE, ROUTER_TASK_TOLERANCE, router_verdict
 from cluster.bench.verdict import add_verdicts, render_lines
 
 

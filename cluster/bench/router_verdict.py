@@ -5,13 +5,12 @@ verdict against the stock-vLLM anchors is `cluster.bench.verdict`'s)."""
 from __future__ import annotations
 
 import math
-import random
 import statistics
 from typing import Any, Optional
 
+from cluster.bench.bootstrap import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, bootstrap_ci
 from cluster.bench.metrics import paired_ratios, ratio_spread
 from cluster.bench.plan import AUTO, NONE
-from cluster.percentile import percentile
 
 # The router's targets: at one stream at least the best static configuration overall and
 # within 5% of the best static one per task; under load at least 0.97 of the better of no speculation
@@ -75,10 +74,6 @@ def cross_validated_best(auto_rounds: Optional[list], static_rounds: dict[str, O
             "cv_rounds": per_round}
 
 
-BOOTSTRAP_RESAMPLES = 2000
-BOOTSTRAP_SEED = 0
-
-
 def paired_bootstrap_ci(auto: Optional[dict], other: Optional[dict], resamples: int = BOOTSTRAP_RESAMPLES,
                         seed: int = BOOTSTRAP_SEED) -> Optional[list[float]]:
     """95% interval (2.5% and 97.5% quantiles) of auto's tokens/s over another configuration's,
@@ -88,25 +83,13 @@ def paired_bootstrap_ci(auto: Optional[dict], other: Optional[dict], resamples: 
     if not auto or not other:
         return None
     prompts = sorted(set(auto) & set(other))
-    if len(prompts) < 2:
-        return None
     pairs = [(auto[p][0], auto[p][1], other[p][0], other[p][1]) for p in prompts]
-    rng = random.Random(seed)
-    n = len(pairs)
-    ratios = []
-    for _ in range(resamples):
-        at = al = ot = ol = 0.0
-        for i in rng.choices(range(n), k=n):
-            a_tok, a_lat, o_tok, o_lat = pairs[i]
-            at += a_tok
-            al += a_lat
-            ot += o_tok
-            ol += o_lat
-        if al > 0 and ot > 0 and ol > 0:
-            ratios.append((at / al) / (ot / ol))
-    if not ratios:
-        return None
-    return [percentile(ratios, 2.5), percentile(ratios, 97.5)]
+
+    def ratio(idx: list[int]) -> float:
+        at, al, ot, ol = (sum(pairs[i][j] for i in idx) for j in range(4))
+        return (at / al) / (ot / ol) if al > 0 and ot > 0 and ol > 0 else math.nan
+
+    return bootstrap_ci(len(pairs), ratio, resamples, seed)
 
 
 def router_verdict(summary: dict[str, Any], temperature: str = "0") -> dict[str, Any]:

@@ -29,71 +29,18 @@ Words (with those of `cluster.bench.metrics`):
 from __future__ import annotations
 
 import math
-import random
 from typing import Any, Callable, Optional
 
+from cluster.bench.bootstrap import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, bootstrap_ci, clustered_bootstrap_ci, clusters_by
 from cluster.bench.metrics import Sample, Slo, group_by, meets_slo, paired_ratios, pooled_rate, round_rates, tpot_s
 from cluster.bench.plan import AUTO
 from cluster.bench.stalls import STALL_GAP_S, stall_table, without_stalls
 from cluster.percentile import percentile
 
-BOOTSTRAP_RESAMPLES = 2000
-BOOTSTRAP_SEED = 0
 TARGET_RATIO, TARGET_LOWER = 1.00, 0.97
 
 
 # -- the statistics -------------------------------------------------------------------------------------------
-
-
-def bootstrap_ci(n_units: int, stat: Callable[[list[int]], float], resamples: int = BOOTSTRAP_RESAMPLES,
-                 seed: int = BOOTSTRAP_SEED) -> Optional[list[float]]:
-    """95% interval of `stat` over `resamples` draws of unit indices with replacement (None below
-    two units or without a finite value)."""
-    if n_units < 2:
-        return None
-    rng = random.Random(seed)
-    values = []
-    for _ in range(resamples):
-        v = stat(rng.choices(range(n_units), k=n_units))
-        if v is not None and math.isfinite(v):
-            values.append(v)
-    return [percentile(values, 2.5), percentile(values, 97.5)] if values else None
-
-
-def clustered_bootstrap_ci(clusters: list[list[int]], stat: Callable[[list[int]], float],
-                           resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> Optional[list[float]]:
-    """95% interval of `stat` when units come in clusters (the requests of one round): a draw takes
-    clusters with replacement, then units within each drawn cluster with replacement. With one
-    cluster it is `bootstrap_ci` over that cluster's units, draw for draw. None below two units.
-
-    >>> spread = [[0, 1, 2], [3, 4, 5]]  # units 0-2 measured at 1.0, units 3-5 at 2.0
-    >>> value = lambda idx: sum(1.0 if i < 3 else 2.0 for i in idx) / len(idx)
-    >>> clustered_bootstrap_ci(spread, value, resamples=400)  # the rounds disagree: the interval spans both
-    [1.0, 2.0]
-    >>> clustered_bootstrap_ci([[0, 1, 2, 3, 4, 5]], value, resamples=400) == bootstrap_ci(6, value, resamples=400)
-    True
-    """
-    groups = [c for c in clusters if c]
-    if sum(len(c) for c in groups) < 2:
-        return None
-    rng = random.Random(seed)
-    values = []
-    for _ in range(resamples):
-        drawn = rng.choices(groups, k=len(groups)) if len(groups) > 1 else groups
-        v = stat([i for c in drawn for i in rng.choices(c, k=len(c))])
-        if v is not None and math.isfinite(v):
-            values.append(v)
-    return [percentile(values, 2.5), percentile(values, 97.5)] if values else None
-
-
-def _clusters(keys: list[Any], cluster_of: Optional[Callable[[Any], Any]]) -> list[list[int]]:
-    """Unit indices grouped by `cluster_of(key)` (one cluster of every unit when None)."""
-    if cluster_of is None:
-        return [list(range(len(keys)))]
-    out: dict[Any, list[int]] = {}
-    for i, k in enumerate(keys):
-        out.setdefault(cluster_of(k), []).append(i)
-    return [out[c] for c in sorted(out, key=repr)]
 
 
 def classify(ratio: Optional[float], ci: Optional[list[float]], higher_is_better: bool = True) -> dict[str, Any]:
@@ -167,7 +114,7 @@ def throughput_ratio(auto: list[Sample], other: list[Sample], key: Callable[[Sam
     spans at a load level, summed latency at one stream) and the verdict."""
     keys, units = paired_units(auto, other, key)
     ratio = _rate_ratio(units, list(range(len(units)))) if units else math.nan
-    ci = clustered_bootstrap_ci(_clusters(keys, round_of), lambda idx: _rate_ratio(units, idx), resamples, seed)
+    ci = clustered_bootstrap_ci(clusters_by(keys, round_of), lambda idx: _rate_ratio(units, idx), resamples, seed)
     ra, rb = round_rates(auto, wall=wall), round_rates(other, wall=wall)
     row = {"ratio": ratio, "ci95": ci, "units": len(units), "round_ratios": paired_ratios(ra, rb),
            **classify(ratio, ci)}
@@ -330,7 +277,7 @@ def latency_ratio(auto: list[Sample], other: list[Sample], resamples: int = BOOT
     a, b = by_arrival(auto), by_arrival(other)
     keys = sorted(set(a) & set(b), key=repr)
     rows = [(a[k], b[k]) for k in keys]
-    clusters = _clusters(keys, lambda k: k[0])
+    clusters = clusters_by(keys, lambda k: k[0])
 
     def mean_ratio(idx: list[int]) -> float:
         sb = sum(rows[i][1] for i in idx)

@@ -17,7 +17,7 @@ Words (with those of `cluster.bench.metrics`):
   units with replacement, the same units for both, and recomputes the ratio; the 95% interval is
   the 2.5 and 97.5% quantiles of BOOTSTRAP_RESAMPLES draws, seeded.
 - *rounds as clusters*: under load and on the trace each configuration runs its own phase of a
-  round, and a machine's speed moves 10-20% within minutes, so one phase's requests share a speed.
+  round, and a machine's speed moves between minutes, so one phase's requests share a speed.
   A draw takes rounds with replacement, then requests within each drawn round (two-stage), and the
   interval holds the round-to-round spread. At one stream each prompt goes through every
   configuration in turn, seconds apart: the drift is paired out and requests alone are resampled.

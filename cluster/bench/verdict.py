@@ -31,7 +31,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Optional
 
-from cluster.bench.bootstrap import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, bootstrap_ci, clustered_bootstrap_ci, clusters_by
+from cluster.bench.bootstrap import (BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, bootstrap_ci, clustered_bootstrap_ci,
+                                     clusters_by)
 from cluster.bench.metrics import Sample, Slo, group_by, meets_slo, paired_ratios, pooled_rate, round_rates, tpot_s
 from cluster.bench.plan import AUTO
 from cluster.bench.stalls import STALL_GAP_S, stall_table, without_stalls
@@ -79,7 +80,8 @@ def _unit_rates(samples: list[Sample], key: Callable[[Sample], Any]) -> dict[Any
     return out
 
 
-def paired_units(a: list[Sample], b: list[Sample], key: Callable[[Sample], Any]) -> tuple[list[Any], list[tuple[float, ...]]]:
+def paired_units(a: list[Sample], b: list[Sample],
+                 key: Callable[[Sample], Any]) -> tuple[list[Any], list[tuple[float, ...]]]:
     """The keys present (and successful) on both sides, and per key (tokens a, latency a, tokens b,
     latency b)."""
     ta, tb = _unit_rates(a, key), _unit_rates(b, key)

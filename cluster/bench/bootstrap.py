@@ -66,3 +66,17 @@ def clusters_by(keys: list[Any], cluster_of: Optional[Callable[[Any], Any]]) -> 
     for i, k in enumerate(keys):
         out.setdefault(cluster_of(k), []).append(i)
     return [out[c] for c in sorted(out, key=repr)]
+
+
+def paired_rate_ratio(units: list[tuple[float, ...]], idx: list[int]) -> float:
+    """Over the drawn units (tokens a, latency a, tokens b, latency b): a's summed tokens / summed
+    latency over b's (NaN where a side has no latency or b no tokens).
+
+    >>> paired_rate_ratio([(10, 1.0, 10, 2.0), (30, 1.0, 10, 1.0)], [0, 1])  # 20 tok/s over 20/3
+    3.0
+    """
+    at = sum(units[i][0] for i in idx)
+    al = sum(units[i][1] for i in idx)
+    bt = sum(units[i][2] for i in idx)
+    bl = sum(units[i][3] for i in idx)
+    return (at / al) / (bt / bl) if al > 0 and bl > 0 and bt > 0 else math.nan

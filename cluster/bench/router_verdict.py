@@ -8,7 +8,7 @@ import math
 import statistics
 from typing import Any, Optional
 
-from cluster.bench.bootstrap import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, bootstrap_ci
+from cluster.bench.bootstrap import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, bootstrap_ci, paired_rate_ratio
 from cluster.bench.metrics import paired_ratios, ratio_spread
 from cluster.bench.plan import AUTO, NONE
 
@@ -84,12 +84,7 @@ def paired_bootstrap_ci(auto: Optional[dict], other: Optional[dict], resamples: 
         return None
     prompts = sorted(set(auto) & set(other))
     pairs = [(auto[p][0], auto[p][1], other[p][0], other[p][1]) for p in prompts]
-
-    def ratio(idx: list[int]) -> float:
-        at, al, ot, ol = (sum(pairs[i][j] for i in idx) for j in range(4))
-        return (at / al) / (ot / ol) if al > 0 and ot > 0 and ol > 0 else math.nan
-
-    return bootstrap_ci(len(pairs), ratio, resamples, seed)
+    return bootstrap_ci(len(pairs), lambda idx: paired_rate_ratio(pairs, idx), resamples, seed)
 
 
 def router_verdict(summary: dict[str, Any], temperature: str = "0") -> dict[str, Any]:

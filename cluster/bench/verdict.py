@@ -32,7 +32,7 @@ import math
 from typing import Any, Callable, Optional
 
 from cluster.bench.bootstrap import (BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, bootstrap_ci, clustered_bootstrap_ci,
-                                     clusters_by)
+                                     clusters_by, paired_rate_ratio)
 from cluster.bench.metrics import Sample, Slo, group_by, meets_slo, paired_ratios, pooled_rate, round_rates, tpot_s
 from cluster.bench.plan import AUTO
 from cluster.bench.stalls import STALL_GAP_S, stall_table, without_stalls
@@ -89,14 +89,6 @@ def paired_units(a: list[Sample], b: list[Sample],
     return keys, [(*ta[k], *tb[k]) for k in keys]
 
 
-def _rate_ratio(units: list[tuple[float, ...]], idx: list[int]) -> float:
-    at = sum(units[i][0] for i in idx)
-    al = sum(units[i][1] for i in idx)
-    bt = sum(units[i][2] for i in idx)
-    bl = sum(units[i][3] for i in idx)
-    return (at / al) / (bt / bl) if al > 0 and bl > 0 and bt > 0 else math.nan
-
-
 def occurrence_keys(samples: list[Sample]) -> dict[int, tuple]:
     """id(sample) -> (round, prompt, n-th occurrence of that prompt in its configuration's phase of
     the round, by start time): a closed-loop phase may send a prompt more than once."""
@@ -115,8 +107,8 @@ def throughput_ratio(auto: list[Sample], other: list[Sample], key: Callable[[Sam
     (rounds as clusters when `round_of` maps a unit's key to its round), the per-round ratios (wall
     spans at a load level, summed latency at one stream) and the verdict."""
     keys, units = paired_units(auto, other, key)
-    ratio = _rate_ratio(units, list(range(len(units)))) if units else math.nan
-    ci = clustered_bootstrap_ci(clusters_by(keys, round_of), lambda idx: _rate_ratio(units, idx), resamples, seed)
+    ratio = paired_rate_ratio(units, list(range(len(units)))) if units else math.nan
+    ci = clustered_bootstrap_ci(clusters_by(keys, round_of), lambda idx: paired_rate_ratio(units, idx), resamples, seed)
     ra, rb = round_rates(auto, wall=wall), round_rates(other, wall=wall)
     row = {"ratio": ratio, "ci95": ci, "units": len(units), "round_ratios": paired_ratios(ra, rb),
            **classify(ratio, ci)}
@@ -176,10 +168,10 @@ def hindsight_choice(by_cfg: dict[str, list[Sample]], anchors: list[str], key: C
     auto_versus = [(*tables[AUTO][k], *pick[i]) for i, k in enumerate(shared)]
     picked = {a: sum(1 for i, k in enumerate(shared) if tables[a][k] is pick[i]) for a in present}
     return {"best_anchor": best, "units": len(shared), "picked": picked,
-            "ratio": _rate_ratio(versus_best, list(range(len(shared)))),
-            "ci95": bootstrap_ci(len(shared), lambda idx: _rate_ratio(versus_best, idx), resamples, seed),
-            "auto_ratio": _rate_ratio(auto_versus, list(range(len(shared)))),
-            "auto_ci95": bootstrap_ci(len(shared), lambda idx: _rate_ratio(auto_versus, idx), resamples, seed)}
+            "ratio": paired_rate_ratio(versus_best, list(range(len(shared)))),
+            "ci95": bootstrap_ci(len(shared), lambda idx: paired_rate_ratio(versus_best, idx), resamples, seed),
+            "auto_ratio": paired_rate_ratio(auto_versus, list(range(len(shared)))),
+            "auto_ci95": bootstrap_ci(len(shared), lambda idx: paired_rate_ratio(auto_versus, idx), resamples, seed)}
 
 
 def _one_stream_judge(resamples: int, seed: int) -> Callable[[list[Sample], list[Sample]], dict[str, Any]]:

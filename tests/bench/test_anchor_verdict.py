@@ -107,7 +107,7 @@ def test_a_load_level_whose_rounds_disagree_is_a_tie():
     keys, units = V.paired_units([s for s in samples if s.config == "auto"],
                                  [s for s in samples if s.config == "stock-none"],
                                  lambda s, k=V.occurrence_keys(samples): k[id(s)])
-    narrow = V.bootstrap_ci(len(units), lambda idx: V._rate_ratio(units, idx), 500)
+    narrow = V.bootstrap_ci(len(units), lambda idx: V.paired_rate_ratio(units, idx), 500)
     assert narrow[0] > 0.97  # requests pooled over rounds: a spurious near-win
     agreeing = closed_loop({"stock-none": 5.0, "auto": 5.5}, rounds=3)
     assert V.anchor_verdicts(agreeing, ["stock-none"], resamples=500)["load"]["4"]["vs_best_anchor"]["verdict"] == "win"

@@ -252,6 +252,8 @@ class PoolConfig(Strict):
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra vLLM AsyncEngineArgs, passed through as given."
     )
+    openai_server_args: list[str] = Field(default_factory=list, description=(
+        "vLLM's OpenAI server options for the pool's serving layer (--chat-template, --tool-call-parser, ...)."))
     env: dict[str, str] = Field(default_factory=dict, description="Environment of the replica's process.")
     startup_timeout_s: float = Field(
         600.0, gt=0, description=(
@@ -403,7 +405,6 @@ class PoolConfig(Strict):
             return dict(self.suffix_settings.prior_draft_rate)
         return dict(self.prior_draft_rate)
 
-
 class ClusterConfig(Strict):
     name: str = Field("specserve", description="Ray Serve application name.")
     models: dict[str, ModelConfig] = Field(description="Models by served name.")
@@ -474,7 +475,6 @@ class ClusterConfig(Strict):
         """Target models that at least one pool serves (drafters are not served)."""
         return sorted({p.model for p in self.pools.values()})
 
-
 def load_config(path: str | Path) -> ClusterConfig:
     """Read and validate a cluster config; raise ConfigError naming the bad field."""
     path = Path(path)
@@ -485,7 +485,6 @@ def load_config(path: str | Path) -> ClusterConfig:
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     return parse_config(raw, origin=str(path))
-
 
 def parse_config(raw: Any, origin: str = "<config>") -> ClusterConfig:
     if not isinstance(raw, dict):

@@ -26,6 +26,7 @@ from deployments.drafter import DrafterServer
 from deployments.engine import EngineServer, engine_kwargs, start_vllm, within_startup_timeout
 from deployments.engine_death import retire_process
 from deployments.router import Router
+from deployments.vllm_openai import build_openai_app, server_args
 
 log = logging.getLogger("specserve.app")
 
@@ -38,13 +39,18 @@ class EngineReplica(EngineServer):
         logsafe.setup_replica_logging()
         model = config.models[pool.model]
 
+        paths: dict[str, str] = {}
+
         def start() -> Any:
-            model_path = models.resolve_model(pool.model, config)
+            paths["model"] = model_path = models.resolve_model(pool.model, config)
             drafter_path = models.resolve_model(pool.drafter, config) if pool.drafter else None
             return start_vllm(pool_name, engine_kwargs(pool, model_path, drafter_path, pool.model, model.dtype,
                                                        trust_remote_code=model.trust_remote_code))
 
         engine = await within_startup_timeout(pool_name, pool.startup_timeout_s, start)
+        # vLLM's own OpenAI serving layer over the engine: what the router's HTTP door forwards to.
+        self.openai_app = await build_openai_app(engine, server_args(paths["model"], pool.model,
+                                                                     pool.openai_server_args, pool_name))
 
         async def drafter_endpoint() -> str:  # `drafter`: the Serve handle of the pool's remote drafter
             return await drafter.endpoint.remote()

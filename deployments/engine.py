@@ -11,7 +11,6 @@ import asyncio
 import logging
 import time
 from contextlib import aclosing
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from cluster.autoscale.policy import LatencyWindow
@@ -19,9 +18,11 @@ from cluster.engine.coalesce import flush
 from cluster.engine.remote_proposer import public_drafter_status
 from deployments.vllm_args import engine_kwargs, speculative_config  # noqa: F401 - the replica's and tests' entry
 from cluster.config import PoolConfig
-from cluster.speculation import (EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP, EXTRA_ARGS_MODE, SpecMode,
-                                 SpecStats, accepted_runs)
+from cluster.speculation import SpecMode
 from deployments.engine_death import EngineDead, engine_died
+from deployments.engine_openai import OpenAIDoor
+from deployments.engine_types import (EngineChunk, EngineRequest, extra_args,  # noqa: F401 - re-exported
+                                      stats_from_output)
 
 log = logging.getLogger("specserve.engine")
 
@@ -53,76 +54,7 @@ class EngineInputError(ValueError):
     """The engine refused the request's input (e.g. prompt plus max_tokens beyond the context)."""
 
 
-@dataclass
-class EngineRequest:
-    """One generation request as the router hands it to an engine replica."""
-
-    request_id: str
-    mode: str  # SpecMode value actually used (none when k == 0)
-    k: int  # per-request speculation length, 0..pool.max_k
-    prompt: Optional[str] = None  # raw prompt, used as is
-    messages: Optional[list[dict[str, str]]] = None  # chat messages, templated by the engine
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: Optional[int] = None
-    stop: list[str] = field(default_factory=list)
-    logprobs: Optional[int] = None  # top-N logprobs per output token (for lossless diagnostics)
-    ignore_eos: bool = False
-    k_cap_by_batch: Optional[list[tuple[int, int]]] = None  # pool's per-step cap table from the tuner
-    k_grow: Optional[tuple[int, int]] = None  # (step, top): K grows within the request (vllm_scheduler)
-    k_step_alpha: Optional[float] = None  # class α: the engine picks K (<= k) at every step (cluster.engine.step_k)
-    streamed: bool = True  # False: the caller wants the whole text; the replica sends first token + final chunk
-
-
-@dataclass
-class EngineChunk:
-    """A piece of a streamed response; the last one has finish_reason and stats set."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: Optional[str] = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    stats: Optional[dict[str, Any]] = None  # SpecStats.to_dict() on the last chunk
-    logprobs: Optional[list[dict[int, float]]] = None  # per token: {token id: logprob}
-    replica: str = ""
-
-
-def stats_from_output(mode: str, k: int, completion_tokens: int, metrics: Any) -> SpecStats:
-    """Turn vLLM's per-request RequestSpecDecodeMetrics (may be None) into our SpecStats.
-
-    histogram[j] = verification steps in which exactly j drafts were accepted, so
-    spec_steps = sum(histogram), accepted = sum(j * histogram[j]) and draft position i was accepted
-    in sum(histogram[j > i]) steps. The completion_tokens - 1 tokens after the first come from
-    `steps` decode steps, each giving accepted + 1 tokens; a stop (EOS, stop string, max_tokens)
-    inside an accepted run discards its tail, so delivered accepted tokens are capped at
-    completion_tokens - 1 - spec_steps (every spec step delivers at least its bonus token).
-    """
-    stats = SpecStats(mode=mode, k=k)
-    decode_tokens = max(completion_tokens - 1, 0)
-    if metrics is not None:
-        hist = list(metrics.histogram)
-        stats.spec_steps = sum(hist)
-        raw_accepted = sum(j * c for j, c in enumerate(hist))
-        stats.accepted = max(0, min(raw_accepted, decode_tokens - stats.spec_steps))
-        stats.drafted = int(metrics.num_draft_tokens)
-        per_pos = [sum(hist[i + 1:]) for i in range(max(len(hist) - 1, 0))]
-        drafted_steps = list(getattr(metrics, "per_step_drafted", []) or [])
-        width = max([k, *drafted_steps]) if drafted_steps else k
-        stats.accepted_per_position = per_pos[:width]
-        stats.drafted_per_position = [sum(1 for n in drafted_steps if n > i) for i in range(width)]
-        accepted_steps = list(getattr(metrics, "per_step_accepted", []) or [])
-        if accepted_steps and len(accepted_steps) == len(drafted_steps):
-            # vLLM records only the steps that verified drafts, in order; a step that drafted
-            # nothing between two of them is not seen, so a full step followed by one is taken as
-            # continuing its run (rare: after a full step n-gram lookup and drafters go on drafting).
-            stats.run_lengths = accepted_runs(accepted_steps, drafted_steps)
-    stats.steps = decode_tokens - stats.accepted
-    return stats
-
-
-class EngineServer:
+class EngineServer(OpenAIDoor):
     """One engine replica: owns an AsyncLLM, serves EngineRequests as streams of EngineChunks.
 
     Once its engine core is known dead (`deployments.engine_death`), every call fails at once with
@@ -179,10 +111,7 @@ class EngineServer:
             logprobs=req.logprobs,
             ignore_eos=req.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
-            extra_args={EXTRA_ARGS_K: int(req.k), EXTRA_ARGS_MODE: req.mode,
-                        **({EXTRA_ARGS_K_CAP: [list(e) for e in req.k_cap_by_batch]} if req.k_cap_by_batch else {}),
-                        **({EXTRA_ARGS_K_GROW: [int(x) for x in req.k_grow]} if req.k_grow else {}),
-                        **({EXTRA_ARGS_K_STEP: float(req.k_step_alpha)} if req.k_step_alpha is not None else {})},
+            extra_args=extra_args(req),
         )
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
@@ -194,6 +123,11 @@ class EngineServer:
         if req.k > self.pool.mode_max_k(SpecMode.parse(req.mode)):
             raise ValueError(f"k={req.k} exceeds pool {self.pool_name!r} max_k={self.pool.mode_max_k(SpecMode.parse(req.mode))} "
                              f"for mode {req.mode!r}")
+        if req.openai is not None:
+            async with aclosing(self._openai_chunks(req)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            return
         prompt = self._prompt(req)
         params = self._sampling_params(req)
         completion_tokens = 0

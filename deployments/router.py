@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import time
 from contextlib import aclosing
@@ -19,7 +20,7 @@ from dataclasses import replace
 from typing import Any, AsyncIterator, Callable, Optional
 
 from cluster.api.auth import AUTH_ERROR_MESSAGE, ApiKeyStore
-from cluster.api.types import ApiError, ErrorCode, GenerateRequest, check_prompt_size
+from cluster.api.types import ApiError, ErrorCode, GenerateRequest, UpstreamError, check_prompt_size
 from cluster.api.wire import Completion
 from cluster.autoscale.policy import with_capacity
 from cluster.config import ClusterConfig
@@ -40,6 +41,15 @@ LOAD_POLL_INTERVAL_S = 0.25  # how often each pool's engine load is sampled
 LOAD_POLL_TIMEOUT_S = 1.0
 LOAD_REPORT_MAX_AGE_S = 2.0  # older engine load reports are ignored
 FAILURE_LOG_INTERVAL_S = 60.0  # a recurring background failure is logged at most this often
+
+
+def upstream_error(status: int, raw: str) -> UpstreamError:
+    """vLLM's error answer as an error the door passes on as it is."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = {"error": {"message": raw[:2000] or f"HTTP {status}", "type": "Error", "param": None, "code": status}}
+    return UpstreamError(status, body)
 
 
 def _default_classifier(prompt: Optional[str], messages: Optional[list[dict]]) -> str:
@@ -137,7 +147,7 @@ class Router(HttpDoor, GrpcDoor):
     def decide(self, req: GenerateRequest) -> tuple[str, Decision]:
         """Validated request -> (model, Decision). Pure apart from reading the live counters."""
         model = resolve_model(req.model, self.served)
-        classified = self.classify(req.prompt, [m.model_dump() for m in req.messages] if req.messages else None)
+        classified = req.format_class or self.classify(req.prompt, [m.model_dump() for m in req.messages] if req.messages else None)
         wclass = req.workload_class or classified
         spec = req.speculative
         tuning = self.tuning.snapshot(model) if self.tuning is not None else None
@@ -161,9 +171,11 @@ class Router(HttpDoor, GrpcDoor):
 
     # -- generation ------------------------------------------------------------------------------
 
-    def plan(self, req: GenerateRequest, streamed: bool = True) -> tuple[str, Decision, EngineRequest]:
+    def plan(self, req: GenerateRequest, streamed: bool = True, openai: Optional[dict[str, Any]] = None,
+             ) -> tuple[str, Decision, EngineRequest]:
         """Validate against the cluster and decide; raises ApiError before anything is sent.
-        `streamed`: the caller reads the text as it comes (else the engine sends it at the end)."""
+        `streamed`: the caller reads the text as it comes (else the engine sends it at the end).
+        `openai`: an OpenAI call for vLLM's serving layer (`EngineRequest.openai`)."""
         rid = req.ensure_request_id()
         check_prompt_size(req, self.config.api.limits.max_prompt_chars)
         model, d = self.decide(req)
@@ -186,7 +198,7 @@ class Router(HttpDoor, GrpcDoor):
             stop=list(req.stop), logprobs=req.logprobs, ignore_eos=req.ignore_eos,
             k_cap_by_batch=caps if d.k else None,
             k_grow=None if step_alpha is not None else growth_rule(pool, d, req.speculative.k_grow if req.speculative else None),
-            k_step_alpha=step_alpha, streamed=streamed,
+            k_step_alpha=step_alpha, streamed=streamed, openai=openai,
         )
         return model, d, ereq
 
@@ -214,14 +226,16 @@ class Router(HttpDoor, GrpcDoor):
         return cached[1]
 
     async def _stream(self, req: GenerateRequest, streamed: bool = True, client: str = "unknown",
-                      deadline_s: Optional[float] = None) -> AsyncIterator[tuple[EngineChunk, Completion]]:
+                      deadline_s: Optional[float] = None, openai: Optional[dict[str, Any]] = None,
+                      ) -> AsyncIterator[tuple[EngineChunk, Completion]]:
         """Yield (chunk, running completion) pairs; the last pair has the final stats. `client`:
         who sent it (`cluster.policy.teaching.client_id`); `deadline_s`: when it must be done (monotonic;
-        default router.request_timeout_s from now, `cluster.routing.deadline`)."""
+        default router.request_timeout_s from now, `cluster.routing.deadline`); `openai`: the call is
+        served by vLLM's serving layer, whose error answer is raised as `UpstreamError`."""
         t0 = time.perf_counter()
         deadline_s = deadline_s if deadline_s is not None else self.bounds.deadline(time.monotonic())
         self._ensure_load_poll()
-        model, d, ereq = self.plan(req, streamed)
+        model, d, ereq = self.plan(req, streamed, openai)
         rid = ereq.request_id
         comp = Completion(request_id=rid, model=model)
         self.inflight[d.pool] += 1
@@ -234,6 +248,8 @@ class Router(HttpDoor, GrpcDoor):
                 async for chunk in chunks:
                     now = time.perf_counter()
                     replica = chunk.replica or replica
+                    if chunk.http_status is not None and chunk.http_status >= 400:
+                        raise upstream_error(chunk.http_status, chunk.raw)
                     if not comp.token_ids and chunk.token_ids:
                         comp.ttft_s = now - t0
                     comp.text += chunk.text

@@ -76,6 +76,26 @@ class ApiError(Exception):
         }
 
 
+class UpstreamError(ApiError):
+    """vLLM's own error answer (its HTTP status and JSON body), passed on to the client as it is."""
+
+    def __init__(self, status: int, body: Any):
+        err = body.get("error") if isinstance(body, dict) else None
+        err = err if isinstance(err, dict) else {}
+        code = next((c for c in (ErrorCode.INVALID_ARGUMENT, ErrorCode.NOT_FOUND, ErrorCode.REQUEST_TOO_LARGE,
+                                 ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED)
+                     if c.http_status == status), ErrorCode.INVALID_ARGUMENT if 400 <= status < 500 else ErrorCode.INTERNAL)
+        super().__init__(code, str(err.get("message") or body)[:2000], field=err.get("param"))
+        self.status = status
+        self.body = body
+
+    def __reduce__(self):
+        return (UpstreamError, (self.status, self.body))
+
+    def to_openai(self) -> dict[str, Any]:
+        return self.body if isinstance(self.body, dict) else super().to_openai()
+
+
 def _valid_unicode(s: str) -> str:
     """Reject strings that cannot be encoded as UTF-8 (lone surrogates from JSON escapes)."""
     try:
@@ -125,6 +145,9 @@ class GenerateRequest(_Strict):
     request_id: Optional[str] = None
     stream: bool = False
     ignore_eos: bool = False
+    # The workload class the request's own fields imply (a response format, tools), set by the
+    # HTTP door (`cluster.api.openai_body.request_class`); it takes the place of the prompt's classifier.
+    format_class: Optional[str] = Field(None, exclude=True)
 
     @field_validator("stop")
     @classmethod
@@ -216,58 +239,3 @@ def body_too_large(n: int, limit: int) -> ApiError:
     """The 413 of an HTTP body of (at least) `n` bytes, past `limit` (api.limits.max_body_bytes)."""
     return ApiError(ErrorCode.REQUEST_TOO_LARGE, f"body: {n} bytes or more, more than the limit of {limit} bytes "
                                                  "(api.limits.max_body_bytes)", field="body")
-
-
-# -- OpenAI-compatible HTTP bodies ----------------------------------------------------------------
-
-# OpenAI fields we accept and ignore (they do not change what we compute), so that stock clients work.
-_OPENAI_IGNORED = {"n", "user", "frequency_penalty", "presence_penalty", "logit_bias", "stream_options",
-                   "response_format", "tools", "tool_choice", "parallel_tool_calls", "metadata", "store",
-                   "service_tier", "echo", "best_of", "suffix"}
-_SPECSERVE_EXT = "specserve"  # request: {"workload_class", "speculative": {"mode", "k"}, "request_id"}
-
-
-def from_openai(body: Any, chat: bool) -> GenerateRequest:
-    """OpenAI completions / chat.completions JSON -> GenerateRequest (extension fields under 'specserve')."""
-    if not isinstance(body, dict):
-        raise ApiError(ErrorCode.INVALID_ARGUMENT, "request body must be a JSON object", field="body")
-    body = dict(body)
-    n = body.get("n", 1)
-    if n not in (1, None):
-        raise ApiError(ErrorCode.INVALID_ARGUMENT, "n: only n=1 is supported", field="n")
-    for key in _OPENAI_IGNORED:
-        body.pop(key, None)
-    ext = body.pop(_SPECSERVE_EXT, None) or {}
-    if not isinstance(ext, dict):
-        raise ApiError(ErrorCode.INVALID_ARGUMENT, "specserve: must be an object", field="specserve")
-    if "max_completion_tokens" in body:
-        body.setdefault("max_tokens", body.pop("max_completion_tokens"))
-    if isinstance(body.get("stop"), str):
-        body["stop"] = [body["stop"]]
-    if body.get("stop") is None:
-        body.pop("stop", None)
-    lp = body.pop("logprobs", None)
-    top_lp = body.pop("top_logprobs", None)
-    if chat:
-        if "prompt" in body:
-            raise ApiError(ErrorCode.INVALID_ARGUMENT, "prompt: use `messages` on /v1/chat/completions", field="prompt")
-        if lp is True:
-            body["logprobs"] = top_lp if top_lp is not None else 1
-    else:
-        if "messages" in body:
-            raise ApiError(ErrorCode.INVALID_ARGUMENT, "messages: use `prompt` on /v1/completions", field="messages")
-        if isinstance(body.get("prompt"), list):
-            if len(body["prompt"]) != 1 or not isinstance(body["prompt"][0], str):
-                raise ApiError(ErrorCode.INVALID_ARGUMENT, "prompt: a string or a list of one string", field="prompt")
-            body["prompt"] = body["prompt"][0]
-        if isinstance(lp, int) and not isinstance(lp, bool):
-            body["logprobs"] = lp
-    for key in ("workload_class", "speculative", "request_id"):
-        if key in ext:
-            body[key] = ext.pop(key)
-    if ext:
-        raise ApiError(ErrorCode.INVALID_ARGUMENT, f"specserve: unknown fields {sorted(ext)}", field="specserve")
-    for key in ("temperature", "top_p"):
-        if body.get(key) is None:
-            body.pop(key, None)
-    return parse_request(body)

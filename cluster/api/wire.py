@@ -1,13 +1,10 @@
-"""Wire formats of the two front doors: OpenAI-compatible JSON and specserve.v1 protobuf.
-
-Both are built from one internal result (`Completion`) so that the HTTP and gRPC answers carry
-the same fields; both parse into `cluster.api.types.GenerateRequest` (validation lives there).
+"""The router's internal result (`Completion`) and the specserve.v1 protobuf built from it; the
+protobuf request parses into `cluster.api.types.GenerateRequest` (validation lives there). The
+OpenAI JSON of the HTTP door is vLLM's own (`deployments.vllm_openai`).
 """
 
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -34,61 +31,6 @@ class Completion:
     def tpot_s(self) -> float:
         n = self.completion_tokens - 1
         return (self.latency_s - self.ttft_s) / n if n > 0 else 0.0
-
-
-# -- OpenAI JSON ------------------------------------------------------------------------------
-
-def _ext(c: Completion, with_tokens: bool = True) -> dict[str, Any]:
-    ext = {"request_id": c.request_id, **c.stats, "ttft_s": round(c.ttft_s, 6),
-           "latency_s": round(c.latency_s, 6), "tpot_s": round(c.tpot_s, 6)}
-    if with_tokens:
-        ext["token_ids"] = c.token_ids
-    if c.logprobs is not None:
-        ext["logprobs"] = [{str(t): lp for t, lp in pos.items()} for pos in c.logprobs]
-    return ext
-
-
-def _usage(c: Completion) -> dict[str, int]:
-    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
-            "total_tokens": c.prompt_tokens + c.completion_tokens}
-
-
-def openai_response(c: Completion, chat: bool) -> dict[str, Any]:
-    created = int(time.time())
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
-                  "finish_reason": c.finish_reason, "logprobs": None}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
-        obj = "text_completion"
-    return {"id": c.request_id, "object": obj, "created": created, "model": c.model,
-            "choices": [choice], "usage": _usage(c), "specserve": _ext(c)}
-
-
-def openai_chunk(request_id: str, model: str, chat: bool, text: str, token_ids: list[int],
-                 final: Optional[Completion] = None) -> str:
-    """One SSE event; `final` set on the last one (finish_reason, usage and the stats)."""
-    finish = final.finish_reason if final else None
-    if chat:
-        choice = {"index": 0, "delta": {"content": text} if text or not final else {}, "finish_reason": finish,
-                  "logprobs": None}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        obj = "text_completion"
-    body: dict[str, Any] = {"id": request_id, "object": obj, "created": int(time.time()), "model": model,
-                            "choices": [choice]}
-    if final is not None:
-        body["usage"] = _usage(final)
-        body["specserve"] = {**_ext(final, with_tokens=False), "token_ids": token_ids}
-    else:
-        body["specserve"] = {"token_ids": token_ids}
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-
-def openai_error_event(err: ApiError) -> str:
-    return f"data: {json.dumps(err.to_openai())}\n\n"
 
 
 # -- protobuf ---------------------------------------------------------------------------------

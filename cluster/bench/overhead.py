@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from cluster.api.types import from_openai
+from cluster.api.openai_body import routing_view
 from cluster.routing.classifier import classify
 from cluster.config import load_config
 from cluster.percentile import percentile
@@ -34,7 +34,7 @@ def measure(router: Router, bodies: list[dict], repeats: int) -> list[float]:
     for _ in range(repeats):
         for body in bodies:
             t0 = time.perf_counter()
-            router.plan(from_openai(dict(body), chat=True))
+            router.plan(routing_view(dict(body), chat=True)[0])
             times.append(time.perf_counter() - t0)
     return times
 

@@ -1,11 +1,12 @@
 import pytest
 
-from cluster.api.types import ApiError, ErrorCode, from_openai, parse_request
+from cluster.api.openai_body import routing_view
+from cluster.api.types import ApiError, ErrorCode, parse_request
 
 
 def bad(body, chat=True):
     with pytest.raises(ApiError) as e:
-        from_openai(body, chat=chat)
+        routing_view(body, chat=chat)
     assert e.value.code == ErrorCode.INVALID_ARGUMENT
     return e.value
 
@@ -14,42 +15,54 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 def test_chat_request_with_extension():
-    r = from_openai({"model": "m", "messages": MSG, "max_tokens": 5, "stop": "x", "stream": True, "n": 1,
-                     "logprobs": True, "top_logprobs": 2,
-                     "specserve": {"workload_class": "code", "speculative": {"mode": "ngram", "k": 3, "k_grow": 2},
-                                   "request_id": "abc-1"}}, chat=True)
-    assert r.max_tokens == 5 and r.stop == ["x"] and r.stream and r.logprobs == 2
+    r, fwd = routing_view({"model": "m", "messages": MSG, "max_tokens": 5, "stop": "x", "stream": True, "n": 2,
+                           "logprobs": True, "top_logprobs": 2, "temperature": 0,
+                           "specserve": {"workload_class": "code", "speculative": {"mode": "ngram", "k": 3, "k_grow": 2},
+                                         "request_id": "abc-1"}}, chat=True)
+    assert r.model == "m" and r.stream and r.temperature == 0.0 and r.messages[0].content == "hi"
     assert r.workload_class == "code" and r.speculative.mode == "ngram" and r.speculative.k == 3
     assert r.speculative.k_grow == 2
     assert r.request_id == "abc-1"
+    # vLLM gets the body as it came, without specserve's extension: every OpenAI field is vLLM's to judge
+    assert fwd == {"model": "m", "messages": MSG, "max_tokens": 5, "stop": "x", "stream": True, "n": 2,
+                   "logprobs": True, "top_logprobs": 2, "temperature": 0}
 
 
-def test_completion_request():
-    r = from_openai({"prompt": ["hello"], "max_tokens": 3, "logprobs": 1}, chat=False)
-    assert r.prompt == "hello" and r.logprobs == 1
+def test_completion_request_and_content_parts():
+    r, _ = routing_view({"prompt": ["hello"], "max_tokens": 3, "logprobs": 1}, chat=False)
+    assert r.prompt == "hello" and r.temperature == 1.0  # OpenAI's default temperature, as vLLM applies it
+    r, _ = routing_view({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                   {"type": "text", "text": "b"}]}]}, chat=True)
+    assert r.messages[0].content == "a\nb"
+
+
+def test_a_format_or_tools_make_the_request_structured():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for extra in ({"response_format": {"type": "json_object"}}, {"tools": tools},
+                  {"structured_outputs": {"choice": ["a", "b"]}}):
+        assert routing_view({"messages": MSG, **extra}, chat=True)[0].format_class == "structured"
+    assert routing_view({"messages": MSG, "tools": tools, "tool_choice": "none"}, chat=True)[0].format_class is None
+
+
+@pytest.mark.parametrize("body", [{"messages": "x"}, {"messages": [1, None]}, {"prompt": 7}, {"prompt": [1, 2]},
+                                  {"messages": MSG, "temperature": "hot", "stream": "yes", "model": 3}])
+def test_shapes_vllm_refuses_pass_through_for_vllm_to_name(body):
+    req, fwd = routing_view(body, chat="messages" in body)
+    assert fwd == body and not req.stream
 
 
 @pytest.mark.parametrize(
     "body, field",
-    [({"messages": MSG, "max_tokens": 0}, "max_tokens"),
-     ({"messages": MSG, "max_tokens": "ten"}, "max_tokens"),
-     ({"messages": MSG, "temperature": 3}, "temperature"),
-     ({"messages": MSG, "top_p": 0}, "top_p"),
-     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-     ({"messages": MSG, "unknown_field": 1}, "unknown_field"),
-     ({"messages": MSG, "specserve": {"speculative": {"mode": "warp"}}}, "speculative.mode"),
+    [({"messages": MSG, "specserve": {"speculative": {"mode": "warp"}}}, "speculative.mode"),
      ({"messages": MSG, "specserve": {"speculative": {"mode": "ngram", "k": 99}}}, "speculative.k"),
      ({"messages": MSG, "specserve": {"speculative": {"mode": "ngram", "k": 2, "k_grow": -1}}}, "speculative.k_grow"),
      ({"messages": MSG, "specserve": {"speculative": {"mode": "ngram", "k": 2, "k_grow": 17}}}, "speculative.k_grow"),
      ({"messages": MSG, "specserve": {"workload_class": "poetry"}}, "workload_class"),
      ({"messages": MSG, "specserve": {"request_id": "has space"}}, "request_id"),
      ({"messages": MSG, "specserve": {"bogus": 1}}, "specserve"),
-     ({"messages": MSG, "n": 2}, "n"),
-     ({"messages": MSG, "stop": ["a"] * 9}, "stop"),
-     ({"messages": []}, "messages"),
-     ({"prompt": "x"}, "prompt")],
+     ({"messages": MSG, "specserve": 3}, "specserve")],
 )
-def test_bad_fields_are_named(body, field):
+def test_bad_extension_fields_are_named(body, field):
     assert field in (bad(body).field or "")
 
 
@@ -88,7 +101,7 @@ def test_grpc_speculative_k_grow_maps_and_is_validated():
 def test_total_prompt_size_counts_every_message():
     from cluster.api.types import check_prompt_size
 
-    req = from_openai({"messages": [{"role": "user", "content": "x" * 1000}] * 10}, chat=True)
+    req = routing_view({"messages": [{"role": "user", "content": "x" * 1000}] * 10}, chat=True)[0]
     check_prompt_size(req, 10_000)
     with pytest.raises(ApiError) as e:
         check_prompt_size(req, 9_999)
@@ -97,7 +110,7 @@ def test_total_prompt_size_counts_every_message():
     assert "10000 characters" in e.value.message and "api.limits.max_prompt_chars" in e.value.message
     assert e.value.to_openai()["error"]["code"] == "request_too_large"
     with pytest.raises(ApiError) as e:
-        check_prompt_size(from_openai({"prompt": "abc"}, chat=False), 2)
+        check_prompt_size(routing_view({"prompt": "abc"}, chat=False)[0], 2)
     assert e.value.field == "prompt"
 
 

@@ -177,6 +177,10 @@ def _start_replica(monkeypatch, start_vllm, startup_timeout_s: float = 600.0):
     monkeypatch.setattr(app.models, "resolve_model", lambda name, cfg: f"/models/{name}")
     monkeypatch.setattr(app.logsafe, "setup_replica_logging", lambda: None)
     monkeypatch.setattr(app, "start_vllm", start_vllm)
+
+    async def no_openai_layer(engine, args):  # vLLM's serving layer needs a real engine (tests/e2e)
+        return None
+    monkeypatch.setattr(app, "build_openai_app", no_openai_layer)
     r = app.EngineReplica.__new__(app.EngineReplica)
     loop = asyncio.new_event_loop()  # not asyncio.run: it would wait for a start still running in its thread
     try:

@@ -55,8 +55,34 @@ class FakeHandle:
     def remote(self, req):
         self.requests.append(req)
         call = self.make_call()
+        if call is not None and req.openai is not None:
+            call.chunks = vllm_shaped(call.chunks, req)
         self.calls.append(call)
         return call
+
+
+def vllm_shaped(chunks, req):
+    """The chunks of a fake engine as the engine's OpenAI door sends them (`deployments.engine_openai`):
+    vLLM's answer in `raw` (SSE events when streamed, else one JSON body on the last chunk)."""
+    chat = req.openai["path"].endswith("chat/completions")
+    text, out = "", []
+    for c in chunks:
+        text += c.text
+        if req.streamed:
+            delta = {"delta": {"content": c.text}} if chat else {"text": c.text}
+            raw = "data: " + json.dumps({"object": "chunk", "choices": [{"index": 0, **delta,
+                                                                         "finish_reason": c.finish_reason}]}) + "\n\n"
+            raw += "data: [DONE]\n\n" if c.finish_reason is not None else ""
+        elif c.finish_reason is not None:
+            choice = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            raw = json.dumps({"id": "chatcmpl-" + req.request_id, "object": "chat.completion",
+                              "choices": [{"index": 0, **choice, "finish_reason": c.finish_reason}],
+                              "usage": {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens}})
+        else:
+            raw = ""
+        out.append(dataclasses.replace(c, raw=raw, http_status=200,
+                                       media_type="text/event-stream" if req.streamed else "application/json"))
+    return out
 
 
 def post(router, body, path="/v1/chat/completions"):
@@ -170,9 +196,9 @@ def test_a_policy_k_is_capped_at_admission_as_the_engine_will_cap_it():
 def _req(body):
     import copy
 
-    from cluster.api.types import from_openai
+    from cluster.api.openai_body import routing_view
 
-    return from_openai(copy.deepcopy(body), chat=True)  # from_openai takes the specserve block out of the body
+    return routing_view(copy.deepcopy(body), chat=True)[0]  # routing_view takes the specserve block out of the body
 
 
 def test_stream_that_ends_early_is_unavailable():

@@ -55,8 +55,9 @@ def test_no_route_says_which_methods_the_path_takes(method, path, allowed):
 
 
 def test_every_route_has_a_door_method():
-    assert sorted(r.path for r in ROUTES) == ["/v1/chat/completions", "/v1/completions", "/v1/models",
-                                              "/v1/specserve/forget_outputs", "/v1/specserve/status"]
+    assert sorted(r.path for r in ROUTES) == ["/detokenize", "/health", "/metrics", "/tokenize", "/v1/chat/completions",
+                                              "/v1/completions", "/v1/models", "/v1/specserve/forget_outputs",
+                                              "/v1/specserve/status", "/version"]
     assert all(callable(r.endpoint) for r in ROUTES)
 
 

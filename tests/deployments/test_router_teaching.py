@@ -22,7 +22,7 @@ from cluster.routing.route import explain_choices, pool_views
 from cluster.policy.teaching import Teacher
 from cluster.state.tuning import TuningStore
 from deployments.engine import EngineChunk
-from tests.deployments.test_router import FakeCall, make_router
+from tests.deployments.test_router import FakeCall, make_router, vllm_shaped
 
 MODEL = "smollm2-135m"
 PROMPTS = {  # what the classifier makes of them
@@ -51,7 +51,7 @@ def _router(store, accept_box):
     for h in handles.values():  # the chunk depends on the request: build it in remote()
         def remote(req, h=h):
             h.requests.append(req)
-            call = FakeCall([_final(req, accept_box["accept"])])
+            call = FakeCall(vllm_shaped([_final(req, accept_box["accept"])], req))
             h.calls.append(call)
             return call
         h.remote = remote

@@ -1,0 +1,99 @@
+"""What the router reads of an OpenAI request body before vLLM's serving layer gets it.
+
+The body itself is vLLM's to validate and answer (`deployments.vllm_openai`): the router never
+refuses or rewrites a field vLLM accepts. It reads, tolerantly, only what its decision needs (the
+text to classify and to size, the model, streaming, temperature, the fields that imply a workload
+class) and takes out specserve's own extension, `"specserve": {"workload_class", "speculative",
+"request_id"}`, which it validates (a bad one is INVALID_ARGUMENT naming it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from cluster.api.types import ApiError, ChatMessage, ErrorCode, GenerateRequest, parse_request
+
+SPECSERVE_EXT = "specserve"
+_EXT_FIELDS = ("workload_class", "speculative", "request_id")
+
+
+def text_of(content: Any) -> str:
+    """The text of a message's content: a string, or the text parts of a list of parts.
+
+    >>> text_of("hi"), text_of([{"type": "text", "text": "a"}, {"type": "image_url"}, {"text": "b"}]), text_of(None)
+    ('hi', 'a\\nb', '')
+    """
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def request_class(body: dict[str, Any]) -> Optional[str]:
+    """The workload class a request's own fields imply: `structured` when it asks for a format
+    (`response_format` other than text, vLLM's `structured_outputs`) or may call tools.
+
+    >>> request_class({"response_format": {"type": "json_object"}}), request_class({"tools": [{}]})
+    ('structured', 'structured')
+    >>> request_class({"tools": [{}], "tool_choice": "none"}), request_class({"response_format": {"type": "text"}})
+    (None, None)
+    """
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        return "structured"
+    if body.get("structured_outputs"):
+        return "structured"
+    if body.get("tools") and body.get("tool_choice") != "none":
+        return "structured"
+    return None
+
+
+def _number(value: Any, default: float) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+
+def routing_view(body: Any, chat: bool) -> tuple[GenerateRequest, dict[str, Any]]:
+    """(what the router decides on, the body vLLM gets: without specserve's extension).
+
+    >>> req, fwd = routing_view({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+    ...                          "stream": True, "specserve": {"workload_class": "code"}}, chat=True)
+    >>> (req.messages[0].content, req.stream, req.workload_class, req.temperature, "specserve" in fwd)
+    ('x', True, 'code', 1.0, False)
+    >>> routing_view({"prompt": ["a", "b"], "temperature": 0}, chat=False)[0].prompt
+    'a\\nb'
+    """
+    if not isinstance(body, dict):
+        raise ApiError(ErrorCode.INVALID_ARGUMENT, "request body must be a JSON object", field="body")
+    forward = dict(body)
+    ext = forward.pop(SPECSERVE_EXT, None)
+    if ext is None:
+        ext = {}
+    if not isinstance(ext, dict):
+        raise ApiError(ErrorCode.INVALID_ARGUMENT, "specserve: must be an object", field="specserve")
+    unknown = sorted(set(ext) - set(_EXT_FIELDS))
+    if unknown:
+        raise ApiError(ErrorCode.INVALID_ARGUMENT, f"specserve: unknown fields {unknown}", field="specserve")
+    checked = parse_request({"prompt": "-", **{k: v for k, v in ext.items() if v is not None}})  # names a bad field
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    if chat:
+        raw = body.get("messages")
+        messages = [ChatMessage.model_construct(role=str(m.get("role", "")), content=text_of(m.get("content")))
+                    for m in raw if isinstance(m, dict)] if isinstance(raw, list) else []
+        if not messages:
+            messages, prompt = None, ""
+    else:
+        raw = body.get("prompt")
+        prompt = raw if isinstance(raw, str) else "\n".join(p for p in raw if isinstance(p, str)) \
+            if isinstance(raw, list) else ""
+    req = GenerateRequest.model_construct(
+        model=body.get("model") if isinstance(body.get("model"), str) else None,
+        prompt=prompt, messages=messages,
+        max_tokens=1,  # unread: vLLM checks the request's length against the context itself
+        temperature=_number(body.get("temperature"), 1.0), top_p=1.0, seed=None, stop=[], logprobs=None,
+        workload_class=checked.workload_class, speculative=checked.speculative, request_id=checked.request_id,
+        stream=body.get("stream") is True, ignore_eos=body.get("ignore_eos") is True,
+        format_class=request_class(body),
+    )
+    return req, forward

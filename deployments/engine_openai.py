@@ -1,0 +1,87 @@
+"""The engine replica's OpenAI door: calls served by vLLM's own serving layer over the replica's
+engine (`deployments.vllm_openai`), with the request's speculation added. A mixin of
+`deployments.engine.EngineServer` (it reads `openai_app`, `engine`, `pool`, `replica`, `_finished`,
+`_check_alive`, `_errored`, `_engine_dead`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Optional
+
+from cluster.engine.coalesce import flush
+from deployments.engine_types import EngineChunk, EngineRequest, extra_args, stats_from_output
+from deployments.vllm_openai import Capture, call_app
+
+
+class OpenAIDoor:
+    """See module doc."""
+
+    openai_app: Any = None  # vLLM's OpenAI app over the replica's engine, set by the replica
+
+    async def _openai_chunks(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """An OpenAI call through vLLM's serving layer (`deployments.vllm_openai`), with the request's
+        speculation added to its `vllm_xargs`. Chunks are gathered as `generate`'s are
+        (`cluster.engine.coalesce`); what comes after the engine finished the request is held for
+        the last chunk, which carries the stats (the router adds them to vLLM's last event)."""
+        if self.openai_app is None:
+            raise RuntimeError(f"pool {self.pool_name}: this replica has no OpenAI serving layer")
+        body = dict(req.openai.get("body") or {})
+        xargs = body.get("vllm_xargs")
+        if xargs is None or isinstance(xargs, dict):  # anything else: vLLM refuses it, naming the field
+            body["vllm_xargs"] = {**(xargs or {}), **extra_args(req, flat=True)}
+        body.setdefault("request_id", req.request_id)
+        capture = Capture()
+        status, media, raw, sent_any, t_sent = None, None, "", False, time.monotonic()
+        pending_tokens = 0
+        t_start, t_first = time.monotonic(), None
+        async with aclosing(call_app(self.openai_app, "POST", req.openai["path"], json.dumps(body).encode(),
+                                     capture)) as events:
+            async for ev in events:
+                if ev.status is not None:
+                    status = ev.status
+                    media = next((v for k, v in ev.headers or () if k.lower() == "content-type"), None)
+                raw += ev.body.decode("utf-8", errors="replace")
+                pending_tokens += capture.take_new()
+                if t_first is None and capture.token_ids.get(0):
+                    t_first = time.monotonic()
+                if capture.finished or not flush(pending_tokens, sent_any, False,
+                                                 self.engine.get_num_unfinished_requests(),
+                                                 self.pool.stream_chunks_per_step, req.streamed,
+                                                 time.monotonic() - t_sent):
+                    continue
+                ids = capture.take_first_choice()
+                yield EngineChunk(text="", token_ids=ids, replica=self.replica, raw=raw, http_status=status,
+                                  media_type=media)
+                raw, pending_tokens, sent_any, t_sent = "", 0, True, time.monotonic()
+        if status is not None and status >= 500 and self._errored():
+            raise self._engine_dead("vLLM reports the engine errored")
+        n = capture.completion_tokens
+        stats = stats_from_output(req.mode, req.k, len(capture.token_ids.get(0, [])), capture.metrics.get(0))
+        if capture.finished and not req.request_id.startswith("health-"):
+            now = time.monotonic()
+            first = t_first if t_first is not None else now
+            self._finished.add(now, first - t_start, now - first, n, int(stats.accepted), req.k)
+        yield EngineChunk(text="", token_ids=capture.take_first_choice(), replica=self.replica, raw=raw,
+                          http_status=status, media_type=media,
+                          finish_reason=capture.finish_reason.get(0) or ("stop" if status == 200 else "error"),
+                          prompt_tokens=capture.prompt_tokens, completion_tokens=n,
+                          stats=stats.to_dict() if capture.finished else None)
+
+    async def openai_simple(self, method: str, path: str, body: Optional[dict[str, Any]] = None,
+                            query: str = "") -> dict[str, Any]:
+        """A call of vLLM's app that generates nothing (tokenize, detokenize, version, metrics):
+        {"status", "media_type", "body"}."""
+        self._check_alive()
+        if self.openai_app is None:
+            raise RuntimeError(f"pool {self.pool_name}: this replica has no OpenAI serving layer")
+        status, media, chunks = 500, None, []
+        data = json.dumps(body).encode() if body is not None else b""
+        async with aclosing(call_app(self.openai_app, method, path, data, Capture(), query=query)) as events:
+            async for ev in events:
+                if ev.status is not None:
+                    status = ev.status
+                    media = next((v for k, v in ev.headers or () if k.lower() == "content-type"), None)
+                chunks.append(ev.body)
+        return {"status": status, "media_type": media, "body": b"".join(chunks).decode("utf-8", errors="replace")}

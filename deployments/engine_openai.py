@@ -27,17 +27,13 @@ class OpenAIDoor:
         the last chunk, which carries the stats (the router adds them to vLLM's last event)."""
         if self.openai_app is None:
             raise RuntimeError(f"pool {self.pool_name}: this replica has no OpenAI serving layer")
-        body = dict(req.openai.get("body") or {})
-        xargs = body.get("vllm_xargs")
-        if xargs is None or isinstance(xargs, dict):  # anything else: vLLM refuses it, naming the field
-            body["vllm_xargs"] = {**(xargs or {}), **extra_args(req, flat=True)}
-        body.setdefault("request_id", req.request_id)
-        capture = Capture()
+        capture = Capture(extra_args=extra_args(req))
         status, media, raw, sent_any, t_sent = None, None, "", False, time.monotonic()
         pending_tokens = 0
         t_start, t_first = time.monotonic(), None
-        async with aclosing(call_app(self.openai_app, "POST", req.openai["path"], json.dumps(body).encode(),
-                                     capture)) as events:
+        body = json.dumps(req.openai.get("body")).encode()
+        async with aclosing(call_app(self.openai_app, "POST", req.openai["path"], body, capture,
+                                     headers=[("x-request-id", req.request_id)])) as events:
             async for ev in events:
                 if ev.status is not None:
                     status = ev.status

@@ -88,16 +88,14 @@ def stats_from_output(mode: str, k: int, completion_tokens: int, metrics: Any) -
     return stats
 
 
-def extra_args(req: EngineRequest, flat: bool = False) -> dict[str, Any]:
+def extra_args(req: EngineRequest) -> dict[str, Any]:
     """The request's speculation as `SamplingParams.extra_args`, which the engine's scheduler reads
-    (`cluster.engine.vllm_scheduler`). `flat`: the cap table as one flat list, which vLLM's
-    request field `vllm_xargs` can carry.
+    (`cluster.engine.vllm_scheduler`).
 
-    >>> extra_args(EngineRequest("r", "ngram", 3, k_cap_by_batch=[(1, 3), (8, 1)]), flat=True)
-    {'specserve_k': 3, 'specserve_mode': 'ngram', 'specserve_k_cap': [1, 3, 8, 1]}
+    >>> extra_args(EngineRequest("r", "ngram", 3, k_cap_by_batch=[(1, 3), (8, 1)]))
+    {'specserve_k': 3, 'specserve_mode': 'ngram', 'specserve_k_cap': [[1, 3], [8, 1]]}
     """
-    cap = req.k_cap_by_batch
     return {EXTRA_ARGS_K: int(req.k), EXTRA_ARGS_MODE: req.mode,
-            **({EXTRA_ARGS_K_CAP: [int(x) for e in cap for x in e] if flat else [list(e) for e in cap]} if cap else {}),
+            **({EXTRA_ARGS_K_CAP: [list(e) for e in req.k_cap_by_batch]} if req.k_cap_by_batch else {}),
             **({EXTRA_ARGS_K_GROW: [int(x) for x in req.k_grow]} if req.k_grow else {}),
             **({EXTRA_ARGS_K_STEP: float(req.k_step_alpha)} if req.k_step_alpha is not None else {})}

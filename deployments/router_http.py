@@ -67,6 +67,8 @@ class HttpDoor:
     async def _generate(self, request: Request, client: str, deadline_s: float):
         path = _route_path(request)
         req, forward = routing_view(await self._json_body(request, deadline_s), chat=path.endswith("chat/completions"))
+        if req.model is not None and req.model not in self.served:
+            req.model = None  # the default model's pool: vLLM answers that the body's model does not exist
         call = {"path": path, "body": forward}
         if req.stream:
             stream = self._sse(req, call, client, deadline_s)

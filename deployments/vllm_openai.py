@@ -3,8 +3,8 @@ called in process (ASGI), never listening on a socket.
 
 Every protocol feature (chat and completions, tools and tool parsers, structured outputs, logprobs,
 penalties, `n`, streaming usage, tokenize, errors) is vLLM's; specserve adds only the per-request
-speculation, as `vllm_xargs` (`SamplingParams.extra_args`, read by the engine's scheduler), and
-reads back what the engine did. The router sends only the paths of `SERVED_PATHS` here.
+speculation, in `SamplingParams.extra_args` (read by the engine's scheduler, as vLLM's request
+field `vllm_xargs` would set them), and reads back what the engine did. The router sends only the paths of `SERVED_PATHS` here.
 
 Words: a *call* is one HTTP request run through the app; its `Capture` holds what the engine gave
 vLLM's serving layer for it (token ids per choice, prompt length, finish, spec-decode metrics),
@@ -18,14 +18,13 @@ import contextvars
 import json
 from argparse import Namespace
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
+
+from cluster.ops.models import resolve_server_args
 
 # The paths of vLLM's app that the router forwards (anything else of the app, e.g. its admin and
 # dev routes, is never reachable from outside).
 SERVED_PATHS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/version", "/metrics")
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 _CAPTURE: contextvars.ContextVar[Optional["Capture"]] = contextvars.ContextVar("specserve_capture", default=None)
 
@@ -42,6 +41,7 @@ class Capture:
     new_tokens: int = 0  # tokens of any choice since `take_new` last ran
     sent_first: int = 0  # tokens of choice 0 already handed out by `take_first_choice`
     notify: Optional[Callable[[], None]] = None  # called after every output (the call's loop wakes up)
+    extra_args: dict[str, Any] = field(default_factory=dict)  # added to each engine request's SamplingParams.extra_args
 
     def add(self, out: Any, cumulative: bool = False) -> None:
         """One RequestOutput: DELTA (each output's token ids are new ones) or CUMULATIVE."""
@@ -76,7 +76,9 @@ class Capture:
 
 class CapturingEngine:
     """The replica's AsyncLLM as vLLM's serving layer sees it: every attribute is the engine's;
-    `generate` also records each output into the current call's `Capture`."""
+    `generate` adds the call's speculation to the request's `SamplingParams.extra_args` (after vLLM
+    validated the body, which therefore stays the caller's) and records each output into the call's
+    `Capture`."""
 
     def __init__(self, engine: Any):
         self._engine = engine
@@ -94,6 +96,8 @@ class CapturingEngine:
         final_only = capture is not None and getattr(sampling_params, "output_kind", None) == RequestOutputKind.FINAL_ONLY
         if final_only:
             sampling_params.output_kind = RequestOutputKind.CUMULATIVE
+        if capture is not None and capture.extra_args:  # the router's decision, over the caller's vllm_xargs
+            sampling_params.extra_args = {**(sampling_params.extra_args or {}), **capture.extra_args}
         gen = self._engine.generate(prompt, sampling_params, *args, **kwargs)
         try:
             async for out in gen:
@@ -113,10 +117,7 @@ def server_args(model_path: str, served_name: str, extra: Sequence[str] = (), po
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    extra = [str(a) for a in extra]
-    for i, a in enumerate(extra[:-1]):
-        if a == "--chat-template" and not Path(extra[i + 1]).is_absolute() and (REPO_ROOT / extra[i + 1]).is_file():
-            extra[i + 1] = str(REPO_ROOT / extra[i + 1])
+    extra = resolve_server_args(list(extra))
     parser = make_arg_parser(FlexibleArgumentParser(prog="specserve-engine", exit_on_error=False))
     try:
         args = parser.parse_args(["--model", model_path, "--served-model-name", served_name, *extra])

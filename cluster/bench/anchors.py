@@ -33,6 +33,7 @@ from cluster.bench.autogroup import autogroup_note, local_autogroups
 from cluster.bench.plan import ALL, AUTO, BEST, NONE, STOCK, BenchConfig, baseline_config
 from cluster.config import ClusterConfig, PoolConfig
 from cluster.ops.placement import cpu_engine_env
+from cluster.ops.models import resolve_server_args
 from deployments.engine import engine_kwargs
 
 # vLLM 0.32's K-by-batch-size table (`num_speculative_tokens_per_batch_size`, [lo, hi, K] per entry,
@@ -469,6 +470,7 @@ def plan_servers(baselines: list[Baseline], pool: PoolConfig, model_path: str, s
             continue
         p = port()
         safe = re.sub(r"[^A-Za-z0-9._-]", "_", b.name)
-        servers.append(StockServer(b.name, stock_argv(args, b.speculative_config, p, python=python), env,
+        argv = stock_argv(args, b.speculative_config, p, python=python) + resolve_server_args(pool.openai_server_args)
+        servers.append(StockServer(b.name, argv, env,
                                    Path(folder) / f"stock-{safe}.log", f"http://127.0.0.1:{p}"))
     return servers

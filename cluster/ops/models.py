@@ -174,3 +174,19 @@ def prepare_all(config: ClusterConfig) -> dict[str, str]:
     """Prepare every model the pools use; return {model name: path or hub id}."""
     names = sorted({p.model for p in config.pools.values()} | {p.drafter for p in config.pools.values() if p.drafter})
     return {n: resolve_model(n, config) for n in names}
+
+
+def resolve_server_args(args: list[str], root: Path = PACKAGE_ROOT.parent) -> list[str]:
+    """A pool's `openai_server_args` with a relative `--chat-template` path that names a file under
+    `root` (the repository) made absolute, so the engine replica and a stock server read the same file.
+
+    >>> resolve_server_args(["--chat-template", "cluster/data/templates/smollm2-tools.jinja"])[1].startswith("/")
+    True
+    >>> resolve_server_args(["--chat-template", "{{ messages }}", "--tool-call-parser", "hermes"])
+    ['--chat-template', '{{ messages }}', '--tool-call-parser', 'hermes']
+    """
+    out = [str(a) for a in args]
+    for i, a in enumerate(out[:-1]):
+        if a == "--chat-template" and not Path(out[i + 1]).is_absolute() and (root / out[i + 1]).is_file():
+            out[i + 1] = str(root / out[i + 1])
+    return out

@@ -109,6 +109,9 @@ def test_openai_client_chat_completion_and_stream(cluster):
 
 
 def test_http_errors_name_the_field(cluster):
+    """specserve's own checks (its extension, the body's shape) name the field in `param`; what vLLM
+    refuses comes back as vLLM's error (the same as a stock server's: tests/e2e/test_vllm_conformance.py),
+    which names the field in `param` or its message."""
     url = cluster.http_url
     msg = [{"role": "user", "content": "hi"}]
     cases = [
@@ -121,12 +124,13 @@ def test_http_errors_name_the_field(cluster):
     for body, status, field in cases:
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == status, (body, r.text)
-        assert r.json()["error"]["param"] == field, r.text
+        err = r.json()["error"]
+        assert field in str(err["param"]) or field in err["message"], r.text
     r = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"},
                    timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "word " * 5000, "max_tokens": 4}, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert r.status_code == 400 and "prompt" in r.json()["error"]["message"].lower(), r.text
 
 
 def _engine_unfinished(url: str, pool: str) -> int:

@@ -5,11 +5,14 @@ Hypothesis draws malformed or extreme requests (bad types, out-of-range numbers,
 workload classes, huge stop lists, wrong paths, methods and content types, undecodable protobuf), and
 a thread pool sends them over real HTTP and gRPC. The expected answer of each request comes from an
 oracle built from the documented validation itself (`cluster.api.types` for the edge, `Router.plan` for the
-cluster checks) run in this process, so the test checks that the *server* behaves as documented:
+cluster checks, and for the OpenAI bodies vLLM's own request models, since vLLM's serving layer answers
+them) run in this process, so the test checks that the *server* behaves as documented:
 
 - no crash: no 5xx (except 503/429 under load), no gRPC INTERNAL/UNKNOWN, no hang, no dropped connection;
 - an invalid request gets the documented error: HTTP status + OpenAI error body whose `param` names the
-  field, gRPC INVALID_ARGUMENT/NOT_FOUND whose details name the field;
+  field (vLLM's error body for what vLLM refuses), gRPC INVALID_ARGUMENT/NOT_FOUND whose details name
+  the field; a body vLLM's request models accept may still be refused by vLLM's later checks (400/404,
+  e.g. a prompt past the context), never with a server error;
 - a valid-but-extreme request gets a 200 with a bounded completion (every valid request asks for at
   most MAX_GEN_TOKENS tokens, so the 2-core machine is not swamped);
 - the cluster still serves a normal request afterwards.
@@ -35,8 +38,8 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from cluster.api.types import (MAX_PROMPT_CHARS, ApiError, ErrorCode, body_too_large, check_json_content_type,
-                               from_openai)
+from cluster.api.openai_body import routing_view
+from cluster.api.types import MAX_PROMPT_CHARS, ApiError, ErrorCode, body_too_large, check_json_content_type
 from cluster.config import load_config
 from cluster.speculation import WORKLOAD_CLASSES, SpecMode
 from cluster.api.wire import from_proto
@@ -67,6 +70,38 @@ class Expect:
     max_tokens: int = 0
     long_prompt: bool = False  # passes the edge; the engine refuses it (400 prompt)
     stream: bool = False
+    vllm: bool = False  # an OpenAI body vLLM's request model accepts: vLLM's later checks may refuse it (400/404)
+    vllm_error: bool = False  # an error answer is vLLM's own (its error body, `code` the HTTP status)
+    choices: int = 1  # n
+
+
+def _vllm_model(chat: bool):
+    if chat:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        return ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    return CompletionRequest
+
+
+def _openai_expect(router: Router, data: Any, chat: bool) -> Expect:
+    """An OpenAI body: specserve's extension and limits (the router's), then vLLM's request model."""
+    from pydantic import ValidationError
+
+    try:
+        req, forward = routing_view(data, chat=chat)
+        if req.model is not None and req.model not in router.served:
+            req.model = None  # as the door does: vLLM answers that the body's model does not exist
+        router.plan(req)
+    except ApiError as e:
+        return Expect(ok=False, status=e.code.http_status, grpc_code=e.code.grpc_name, field=e.field)
+    try:
+        vreq = _vllm_model(chat).model_validate(forward)
+    except (ValidationError, ValueError, TypeError, RecursionError):
+        return Expect(ok=False, status=400, vllm_error=True)
+    max_tokens = getattr(vreq, "max_completion_tokens", None) or vreq.max_tokens
+    chars = len(req.prompt or "") + sum(len(m.content) for m in req.messages or [])
+    return Expect(ok=True, max_tokens=max_tokens if max_tokens is not None else 10**9, long_prompt=chars >= LONG_PROMPT_CHARS,
+                  stream=bool(vreq.stream), vllm=True, choices=max(int(vreq.n or 1), 1))
 
 
 def _expect(router: Router, parse: Callable[[], Any]) -> Expect:
@@ -95,12 +130,15 @@ def _http_expect(router: Router, method: str, path: str, body: bytes,
             if len(body) > router.config.api.limits.max_body_bytes:
                 raise body_too_large(len(body), router.config.api.limits.max_body_bytes)
             try:
-                data = json.loads(body)
+                return json.loads(body)
             except (ValueError, UnicodeDecodeError, RecursionError) as e:  # all are "not valid JSON"
                 raise ApiError(ErrorCode.INVALID_ARGUMENT, f"body: not valid JSON ({type(e).__name__})",
                                field="body") from None
-            return from_openai(data, chat=path.endswith("chat/completions"))
-        return _expect(router, parse)
+        try:
+            data = parse()
+        except ApiError as e:
+            return Expect(ok=False, status=e.code.http_status, grpc_code=e.code.grpc_name, field=e.field)
+        return _openai_expect(router, data, chat=path.endswith("chat/completions"))
     return Expect(ok=False, status=404, grpc_code="NOT_FOUND", field="path")
 
 
@@ -485,11 +523,13 @@ def _wait_up(url: str, timeout_s: float = 180.0) -> None:
 def _check_http_ok(r: httpx.Response, e: Expect) -> Optional[str]:
     if r.request.method != "POST":
         return None if r.status_code == 200 else f"HTTP {r.status_code}"
+    bound = e.max_tokens * e.choices
     if not e.stream:
         b = r.json()
         done = b["usage"]["completion_tokens"]
-        if not (b["choices"][0]["finish_reason"] in ("stop", "length") and done == len(b["specserve"]["token_ids"])
-                and done <= e.max_tokens):
+        first = len(b["specserve"]["token_ids"])
+        if not (all(c["finish_reason"] in ("stop", "length", "tool_calls") for c in b["choices"])
+                and done <= bound and 0 < first <= e.max_tokens):
             return f"unbounded or malformed completion: {r.text[:300]}"
         return None
     events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
@@ -498,9 +538,10 @@ def _check_http_ok(r: httpx.Response, e: Expect) -> Optional[str]:
     chunks = [json.loads(x) for x in events[:-1]]
     if any("error" in c for c in chunks):
         return f"error event in a 200 stream: {r.text[-300:]!r}"
-    tokens = sum(len(c["specserve"]["token_ids"]) for c in chunks)
-    if not chunks or chunks[-1]["choices"][0]["finish_reason"] is None or tokens > e.max_tokens:
-        return f"unbounded or unfinished stream ({tokens} tokens): {r.text[-300:]!r}"
+    finished = [c for ch in chunks for c in ch.get("choices") or [] if c.get("finish_reason")]
+    if len(finished) != e.choices or "specserve" not in chunks[-1] \
+            or chunks[-1]["specserve"]["steps"] > bound:
+        return f"unfinished stream or no specserve object: {r.text[-300:]!r}"
     return None
 
 
@@ -510,6 +551,8 @@ def _judge_http(r: httpx.Response, e: Expect) -> tuple[str, Optional[str]]:
         return status, None
     if r.status_code >= 500:
         return status, f"HTTP {r.status_code} (server error): {r.text[:300]}"
+    if e.ok and e.vllm and r.status_code in (400, 404):  # vLLM's later checks (context length, model, ...)
+        e = Expect(ok=False, status=r.status_code, vllm_error=True)
     if e.ok and e.long_prompt:
         e = Expect(ok=False, status=400, field="prompt")
     if e.ok:
@@ -522,6 +565,9 @@ def _judge_http(r: httpx.Response, e: Expect) -> tuple[str, Optional[str]]:
         err = r.json()["error"]
     except (ValueError, KeyError, TypeError):
         return status, f"HTTP {r.status_code} without an OpenAI error body: {r.text[:300]}"
+    if e.vllm_error:  # vLLM's error body: `code` is the HTTP status, the message says what was wrong
+        ok = err.get("code") == r.status_code and isinstance(err.get("message"), str) and err["message"]
+        return status, None if ok else f"not vLLM's error body for HTTP {r.status_code}: {err}"
     code = ErrorCode[err.get("code", "").upper()] if err.get("code", "").upper() in ErrorCode.__members__ else None
     if code is None or code.http_status != r.status_code or err.get("type") != code.openai_type:
         return status, f"error body inconsistent with HTTP {r.status_code}: {err}"
@@ -650,9 +696,10 @@ def channel(cluster):
 def _clamp_http(case: HttpCase, oracle: Router) -> HttpCase:
     """A request that passes validation must ask for at most MAX_GEN_TOKENS tokens (the 2-core budget)."""
     case.expect = _http_expect(oracle, case.method, case.path, case.body, case.content_type)
-    if case.expect.ok and case.expect.max_tokens > MAX_GEN_TOKENS:
+    if case.expect.ok and case.expect.vllm and (case.expect.max_tokens > MAX_GEN_TOKENS or case.expect.choices > 2):
         body = json.loads(case.body)
         body.pop("max_completion_tokens", None)
+        body.pop("n", None)
         body["max_tokens"] = 1
         case.body, case.label = _dumps(body), case.label + "+clamped"
         case.expect = _http_expect(oracle, case.method, case.path, case.body, case.content_type)

@@ -1,0 +1,246 @@
+"""vLLM's OpenAI API through specserve gives vLLM's answers: a stock vLLM 0.32 OpenAI server (the
+n-gram pool's engine arguments, n-gram speculation K = 3, the pool's own server options: chat
+template and tool-call parser) runs beside the cluster, and every request goes to both; the answers
+must agree, feature by feature (greedy text, tool calls, JSON, logprobs within float tolerance,
+usage, errors), also through the official `openai` client.
+
+What may differ, and is left out of the comparison: ids, timestamps, vLLM's per-request `metrics`
+(the cluster's engines record per-request speculation metrics) and specserve's own `specserve` object.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+from pydantic import BaseModel
+
+from cluster.bench import anchors as A
+from cluster.config import load_config
+from tests.paths import LOCAL_CPU
+
+pytestmark = pytest.mark.engine
+
+MODEL = "smollm2-135m"
+MSG = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+    "additionalProperties": False}}}]
+WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+LOGPROB_TOL = 0.05  # verification batches differ in shape between the two engines
+
+
+@pytest.fixture(scope="module")
+def stock(cluster, tmp_path_factory):
+    """The stock vLLM server's URL (started once for this module, stopped after it)."""
+    pytest.importorskip("vllm")
+    from cluster.ops.models import resolve_model
+
+    config = load_config(LOCAL_CPU)
+    pool = config.pools["ngram"]
+    (baseline,) = A.parse_baselines("ngram:3", pool, "ngram")
+    (server,) = A.plan_servers([baseline], pool, resolve_model(pool.model, config), pool.model,
+                               config.models[pool.model].dtype, tmp_path_factory.mktemp("stock"))
+    server.env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    assert "--tool-call-parser" in server.argv and "--chat-template" in server.argv  # the pool's own options
+    with A.StockFleet([server], timeout_s=pool.startup_timeout_s, log=print) as urls:
+        yield urls[baseline.name]
+
+
+_VOLATILE = {"id", "created", "metrics", "specserve", "system_fingerprint"}
+
+
+def _clean(obj):
+    """An answer without what may differ (see module doc); tool-call ids are random on both sides."""
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items() if k not in _VOLATILE}
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def _close(a, b, path="$"):
+    """Equal, floats (logprobs) within LOGPROB_TOL; AssertionError naming where they differ."""
+    if isinstance(a, float) or isinstance(b, float):
+        assert isinstance(a, (int, float)) and isinstance(b, (int, float)), (path, a, b)
+        assert math.isclose(a, b, abs_tol=LOGPROB_TOL) or (math.isinf(a) and a == b), (path, a, b)
+    elif isinstance(a, dict) and isinstance(b, dict):
+        assert a.keys() == b.keys(), (path, sorted(a.keys() ^ b.keys()))
+        for k in a:
+            _close(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list) and isinstance(b, list):
+        assert len(a) == len(b), (path, len(a), len(b))
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+def _both(cluster, stock, path, body, method="POST"):
+    ours = httpx.request(method, cluster.http_url + path, json=body, timeout=300)
+    theirs = httpx.request(method, stock + path, json=body, timeout=300)
+    assert ours.status_code == theirs.status_code, (body, ours.text, theirs.text)
+    return ours, theirs
+
+
+def _same(cluster, stock, path, body):
+    """The same status and the same answer from both; specserve's answer (JSON) returned."""
+    ours, theirs = _both(cluster, stock, path, body)
+    a, b = ours.json(), theirs.json()
+    if ours.status_code != 200:  # vLLM's own error, passed on as it is
+        assert a == b, (body, a, b)
+        return a
+    _close(_clean(a), _clean(b))
+    return a
+
+
+def _chat(**extra):
+    return {"model": MODEL, "messages": MSG, "max_tokens": 16, "temperature": 0, **extra}
+
+
+CHAT_CASES = {
+    "plain": _chat(),
+    "content_parts": _chat(messages=[{"role": "user", "content": [{"type": "text", "text": "Name a colour."},
+                                                                   {"type": "text", "text": "One word."}]}]),
+    "roles": _chat(messages=[{"role": "system", "content": "You answer briefly."}, *MSG,
+                             {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And Italy?"}]),
+    "tool_history": _chat(tools=TOOLS, messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"}]),
+    "tools_none": _chat(tools=TOOLS, tool_choice="none"),
+    "tools_auto": _chat(tools=TOOLS, tool_choice="auto", max_tokens=80, messages=WEATHER),
+    "tools_required": _chat(tools=TOOLS, tool_choice="required", max_tokens=80, messages=WEATHER),
+    "tools_named": _chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                         max_tokens=80, messages=WEATHER),
+    "json_object": _chat(response_format={"type": "json_object"}, max_tokens=24),
+    "json_schema": _chat(response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+                         messages=[{"role": "user", "content": "Invent a person."}], max_tokens=40),
+    "structured_regex": _chat(structured_outputs={"regex": "[A-Z][a-z]{2,8}"}),
+    "structured_choice": _chat(structured_outputs={"choice": ["Paris", "London", "Rome"]}),
+    "structured_grammar": _chat(structured_outputs={"grammar": 'root ::= "yes" | "no"'}),
+    "n_2": _chat(n=2),
+    "logprobs": _chat(logprobs=True, top_logprobs=3, max_tokens=6),
+    "penalties": _chat(presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.3, max_tokens=24),
+    "stop": _chat(stop=["."], max_tokens=24),
+    "stop_token_ids": _chat(stop_token_ids=[28], max_tokens=24),
+    "min_tokens": _chat(min_tokens=12, max_tokens=14),
+    "max_completion_tokens": {**_chat(), "max_completion_tokens": 5},
+    "seed_greedy": _chat(seed=7),
+    "chat_template_kwargs": _chat(chat_template_kwargs={"add_generation_prompt": False}),
+    "unknown_field": _chat(not_a_vllm_field=1),
+    "logit_bias": _chat(logit_bias={"28": 5}),  # refused by vLLM when speculation is configured
+    "min_p": _chat(min_p=0.1, temperature=0.7),
+    "bad_max_tokens": _chat(max_tokens="ten"),
+    "no_messages": {"model": MODEL, "max_tokens": 4},
+    "unknown_model": _chat(model="nope"),
+    "too_long": _chat(max_tokens=5000),
+}
+
+COMPLETION_CASES = {
+    "plain": {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+    "logprobs_echo": {"model": MODEL, "prompt": "One, two, three,", "max_tokens": 4, "temperature": 0,
+                      "logprobs": 2, "echo": True},
+    "prompt_list": {"model": MODEL, "prompt": ["Red, green,", "Monday, Tuesday,"], "max_tokens": 4, "temperature": 0},
+    "best_of": {"model": MODEL, "prompt": "A B C", "max_tokens": 4, "temperature": 0, "best_of": 2},
+    "token_prompt": {"model": MODEL, "prompt": [504, 3458, 282], "max_tokens": 4, "temperature": 0},
+}
+
+
+@pytest.mark.parametrize("name", list(CHAT_CASES))
+def test_chat_feature_gives_vllms_answer(cluster, stock, name):
+    body = CHAT_CASES[name]
+    a = _same(cluster, stock, "/v1/chat/completions", body)
+    if name == "json_schema":  # the schema was applied, not only passed along
+        person = json.loads(a["choices"][0]["message"]["content"])
+        assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+    if name in ("tools_required", "tools_named"):
+        assert a["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    if name == "structured_choice":
+        assert a["choices"][0]["message"]["content"] in ("Paris", "London", "Rome")
+    if name == "logprobs":
+        assert len(a["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 3
+    if a.get("choices"):  # specserve's object rides along on every generation
+        assert a["specserve"]["pool"] and "acceptance_length" in a["specserve"]
+
+
+@pytest.mark.parametrize("name", list(COMPLETION_CASES))
+def test_completion_feature_gives_vllms_answer(cluster, stock, name):
+    _same(cluster, stock, "/v1/completions", COMPLETION_CASES[name])
+
+
+def _events(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("options", [{"include_usage": True}, {"include_usage": True, "continuous_usage_stats": True}])
+def test_streams_carry_the_same_text_and_usage(cluster, stock, options):
+    body = _chat(stream=True, stream_options=options, max_tokens=12)
+    ours, theirs = _both(cluster, stock, "/v1/chat/completions", body)
+    a, b = _events(ours.text), _events(theirs.text)
+    text = [("".join(c["delta"].get("content") or "" for e in ev for c in e.get("choices", []))) for ev in (a, b)]
+    assert text[0] == text[1] and text[0]
+    assert a[-1]["usage"] == b[-1]["usage"] and a[-1]["usage"]["completion_tokens"] > 0
+    if options.get("continuous_usage_stats"):
+        assert all("usage" in e for e in a) and all("usage" in e for e in b)
+    assert "specserve" in a[-1] and ours.text.rstrip().endswith("data: [DONE]")
+
+
+@pytest.mark.parametrize("path, body", [("/tokenize", {"model": MODEL, "prompt": "Hello there"}),
+                                        ("/tokenize", {"model": MODEL, "messages": MSG}),
+                                        ("/detokenize", {"model": MODEL, "tokens": [19556, 665]}),
+                                        ("/tokenize", {"model": MODEL, "prompt": 5})])
+def test_tokenize_and_detokenize_give_vllms_answer(cluster, stock, path, body):
+    _same(cluster, stock, path, body)
+
+
+def test_version_health_and_metrics(cluster, stock):
+    for path in ("/version", "/health"):
+        ours, theirs = _both(cluster, stock, path, None, method="GET")
+        assert ours.content == theirs.content
+    metrics = httpx.get(cluster.http_url + "/metrics", timeout=60)
+    assert metrics.status_code == 200
+    lines = metrics.text.splitlines()
+    for pool in ("ngram", "draft"):  # vLLM's names, one series per pool
+        assert any(line.startswith("vllm:spec_decode_num_draft_tokens_total{") and f'pool="{pool}"' in line
+                   for line in lines), pool
+    assert sum(line.startswith("# TYPE vllm:spec_decode_num_draft_tokens_total ") for line in lines) == 1
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+def test_the_openai_client_gets_the_same_parsed_tools_and_streamed_usage(cluster, stock):
+    import openai
+
+    def client(url):
+        return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    ours, theirs = client(cluster.http_url), client(stock)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Invent a person."}], max_tokens=40, temperature=0)
+    parsed = [c.chat.completions.parse(response_format=Person, **kw).choices[0].message.parsed for c in (ours, theirs)]
+    assert parsed[0] == parsed[1] and isinstance(parsed[0], Person)
+    kw = dict(model=MODEL, messages=WEATHER, max_tokens=80, temperature=0,
+              tools=TOOLS, tool_choice="required")
+    calls = [c.chat.completions.create(**kw).choices[0].message.tool_calls for c in (ours, theirs)]
+    assert [(t.function.name, t.function.arguments) for t in calls[0]] == \
+           [(t.function.name, t.function.arguments) for t in calls[1]]
+    kw = dict(model=MODEL, messages=MSG, max_tokens=10, temperature=0, stream=True,
+              stream_options={"include_usage": True})
+    usage = [[ch.usage for ch in c.chat.completions.create(**kw) if ch.usage][-1] for c in (ours, theirs)]
+    assert usage[0] == usage[1]
+
+
+def test_a_seed_gives_the_same_sample_every_time_through_specserve(cluster):
+    body = _chat(temperature=0.8, seed=1234, max_tokens=16, specserve={"speculative": {"mode": "none", "k": 0}})
+    texts = {httpx.post(cluster.http_url + "/v1/chat/completions", json=body, timeout=120).json()
+             ["choices"][0]["message"]["content"] for _ in range(2)}
+    assert len(texts) == 1, texts

@@ -108,6 +108,7 @@ class StreamChunk:
     spec: Optional[SpecInfo]
     arrival_s: float  # time.perf_counter() when the event was parsed
     raw: dict
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # per token of the chunk: {token id: logprob}
 
 
 @dataclass
@@ -158,7 +159,8 @@ def build_body(*, prompt: Optional[str] = None, messages: Optional[list[dict]] =
                        ("seed", seed), ("stop", stop)):
         if value is not None:
             body[key] = value
-    if logprobs is not None:
+    if logprobs is not None:  # keyed by token id (vLLM's `return_tokens_as_token_ids`)
+        body["return_tokens_as_token_ids"] = True
         if chat:
             body["logprobs"], body["top_logprobs"] = True, logprobs
         else:
@@ -219,14 +221,35 @@ def parse_chunk(payload: str, arrival_s: float) -> Optional[StreamChunk]:
     text = (delta or {}).get("content") or "" if delta is not None else choice.get("text") or ""
     finish = choice.get("finish_reason")
     ext = obj.get("specserve") or {}
-    # The last chunk carries the stats object; its token_ids may be the chunk's new tokens or the
-    # whole output (collect_stream tells which).
-    is_final_stats = finish is not None and any(key in ext for key in ("steps", "mode", "drafted"))
+    # The last event carries the stats object (vLLM's last: its finish reason, or its usage when asked
+    # for); token_ids there may be the chunk's new tokens or the whole output (collect_stream tells which).
+    is_final_stats = any(key in ext for key in ("steps", "mode", "drafted"))
     spec = SpecInfo.from_dict(ext) if is_final_stats else None
-    # specserve sends the chunk's tokens in its extension; stock vLLM, asked `return_token_ids`, in the choice.
+    # vLLM, asked `return_token_ids`, sends the chunk's tokens in the choice.
     new_ids = [int(t) for t in (ext["token_ids"] if "token_ids" in ext else choice.get("token_ids")) or []]
     return StreamChunk(text=text, token_ids=new_ids, finish_reason=finish, usage=obj.get("usage"),
-                       spec=spec, arrival_s=arrival_s, raw=obj)
+                       spec=spec, arrival_s=arrival_s, raw=obj, logprobs=choice_logprobs(choice))
+
+
+def choice_logprobs(choice: dict) -> list[dict[int, float]]:
+    """The top logprobs of each token of a choice, keyed by token id: vLLM's chat (`content`) or
+    completion (`top_logprobs`) form, its tokens spelled `token_id:N` (`return_tokens_as_token_ids`).
+
+    >>> choice_logprobs({"logprobs": {"content": [{"top_logprobs": [{"token": "token_id:5", "logprob": -0.1}]}]}})
+    [{5: -0.1}]
+    >>> choice_logprobs({"logprobs": {"top_logprobs": [{"token_id:7": -0.5, "x": -1.0}]}}), choice_logprobs({})
+    ([{7: -0.5}], [])
+    """
+    lps = choice.get("logprobs") or {}
+    if not isinstance(lps, dict):
+        return []
+    if lps.get("content") is not None:
+        positions = [{t.get("token"): t.get("logprob") for t in pos.get("top_logprobs") or []}
+                     for pos in lps["content"]]
+    else:
+        positions = list(lps.get("top_logprobs") or [])
+    return [{int(t[9:]): float(v) for t, v in pos.items() if isinstance(t, str) and t.startswith("token_id:")}
+            for pos in positions if isinstance(pos, dict)]
 
 
 def final_new_tokens(seen: list[int], final_ids: list[int], completion_tokens: Optional[int]) -> list[int]:
@@ -244,10 +267,11 @@ def final_new_tokens(seen: list[int], final_ids: list[int], completion_tokens: O
 
 def collect_stream(chunks: Iterable[StreamChunk], start_s: float) -> GenerateResult:
     """Fold streamed chunks (sent at perf_counter `start_s`) into one result with client timings."""
-    text, ids, times, counts = [], [], [], []
+    text, ids, times, counts, lps = [], [], [], [], []
     finish, usage, spec, last = None, {}, None, start_s
     for ch in chunks:
         last = ch.arrival_s
+        lps.extend(ch.logprobs)
         text.append(ch.text)
         new_ids = ch.token_ids
         if ch.spec is not None:
@@ -262,6 +286,7 @@ def collect_stream(chunks: Iterable[StreamChunk], start_s: float) -> GenerateRes
         usage = ch.usage or usage
     spec = spec or SpecInfo()
     spec.token_ids = list(ids)
+    spec.logprobs = lps or spec.logprobs
     return GenerateResult(text="".join(text), token_ids=list(ids), finish_reason=finish, usage=usage,
                           spec=spec, ttft_s=times[0] if times else None, latency_s=last - start_s,
                           chunk_times_s=times, chunk_tokens=counts)
@@ -272,6 +297,7 @@ def parse_response(obj: dict, latency_s: float) -> GenerateResult:
     choice = (obj.get("choices") or [{}])[0]
     text = (choice.get("message") or {}).get("content") if "message" in choice else choice.get("text")
     spec = SpecInfo.from_dict(obj.get("specserve") or {})
+    spec.logprobs = choice_logprobs(choice) or spec.logprobs
     return GenerateResult(text=text or "", token_ids=spec.token_ids, finish_reason=choice.get("finish_reason"),
                           usage=obj.get("usage") or {}, spec=spec, ttft_s=spec.ttft_s, latency_s=latency_s, raw=obj)
 

@@ -5,10 +5,9 @@ engine (`deployments.vllm_openai`), with the request's speculation added. A mixi
 
 from __future__ import annotations
 
-import json
 import time
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator
 
 from cluster.engine.coalesce import flush
 from deployments.engine_types import EngineChunk, EngineRequest, extra_args, stats_from_output
@@ -31,7 +30,7 @@ class OpenAIDoor:
         status, media, raw, sent_any, t_sent = None, None, "", False, time.monotonic()
         pending_tokens = 0
         t_start, t_first = time.monotonic(), None
-        body = json.dumps(req.openai.get("body")).encode()
+        body = req.openai["body"]  # JSON bytes, as the router forwards them
         async with aclosing(call_app(self.openai_app, "POST", req.openai["path"], body, capture,
                                      headers=[("x-request-id", req.request_id)])) as events:
             async for ev in events:
@@ -65,16 +64,14 @@ class OpenAIDoor:
                           prompt_tokens=capture.prompt_tokens, completion_tokens=n,
                           stats=stats.to_dict() if capture.finished else None)
 
-    async def openai_simple(self, method: str, path: str, body: Optional[dict[str, Any]] = None,
-                            query: str = "") -> dict[str, Any]:
-        """A call of vLLM's app that generates nothing (tokenize, detokenize, version, metrics):
-        {"status", "media_type", "body"}."""
+    async def openai_simple(self, method: str, path: str, body: bytes = b"", query: str = "") -> dict[str, Any]:
+        """A call of vLLM's app that generates nothing (tokenize, detokenize, version, metrics), with
+        its JSON body as bytes: {"status", "media_type", "body"}."""
         self._check_alive()
         if self.openai_app is None:
             raise RuntimeError(f"pool {self.pool_name}: this replica has no OpenAI serving layer")
         status, media, chunks = 500, None, []
-        data = json.dumps(body).encode() if body is not None else b""
-        async with aclosing(call_app(self.openai_app, method, path, data, Capture(), query=query)) as events:
+        async with aclosing(call_app(self.openai_app, method, path, body, Capture(), query=query)) as events:
             async for ev in events:
                 if ev.status is not None:
                     status = ev.status

@@ -69,26 +69,31 @@ class HttpDoor:
         req, forward = routing_view(await self._json_body(request, deadline_s), chat=path.endswith("chat/completions"))
         if req.model is not None and req.model not in self.served:
             req.model = None  # the default model's pool: vLLM answers that the body's model does not exist
-        call = {"path": path, "body": forward}
+        call = {"path": path, "body": forward_bytes(forward)}
         if req.stream:
             stream = self._sse(req, call, client, deadline_s)
             first = await stream.__anext__()  # validation, routing and overload errors -> HTTP codes
             return StreamingResponse(_prepend(first, stream), media_type="text/event-stream")
-        final, comp = None, None
+        final, comp, raw = None, None, []
         async with aclosing(self._stream(req, streamed=False, client=client, deadline_s=deadline_s,
                                          openai=call)) as stream:
             async for final, comp in stream:
-                pass
+                raw.append(final.raw)
         assert final is not None and comp is not None
-        return Response(json_with_object(final.raw.encode(), "specserve", specserve_object(comp)),
-                        status_code=final.http_status or 200, media_type=final.media_type or "application/json")
+        media = final.media_type or "application/json"
+        body = "".join(raw)
+        if media.startswith("text/event-stream"):  # vLLM streamed after all (it reads `stream` leniently)
+            return Response(add_to_stream_tail(body, "specserve", specserve_object(comp, with_tokens=False)),
+                            status_code=final.http_status or 200, media_type=media)
+        return Response(json_with_object(body.encode(), "specserve", specserve_object(comp)),
+                        status_code=final.http_status or 200, media_type=media)
 
     def _model_pool(self, model: Any) -> str:
         """The first pool serving `model` (the default model when it is not a known name)."""
         name = model if isinstance(model, str) and model in self.served else self.served[0]
         return next(n for n, p in self.config.pools.items() if p.model == name)
 
-    async def _vllm_simple(self, pool: str, method: str, path: str, body: Any = None, query: str = "") -> Response:
+    async def _vllm_simple(self, pool: str, method: str, path: str, body: bytes = b"", query: str = "") -> Response:
         """A call of vLLM's app that generates nothing, on one replica of `pool`."""
         try:
             out = await asyncio.wait_for(self.engines[pool].openai_simple.remote(method, path, body, query),
@@ -106,7 +111,7 @@ class HttpDoor:
     async def _tokenize(self, request: Request, client: str, deadline_s: float) -> Response:
         body = await self._json_body(request, deadline_s)
         pool = self._model_pool(body.get("model") if isinstance(body, dict) else None)
-        return await self._vllm_simple(pool, "POST", _route_path(request), body)
+        return await self._vllm_simple(pool, "POST", _route_path(request), forward_bytes(body))
 
     async def _version(self, request: Request, client: str, deadline_s: float) -> Response:
         return await self._vllm_simple(next(iter(self.config.pools)), "GET", "/version")
@@ -220,6 +225,16 @@ def route_error(request: Request, allowed: list[str]) -> ApiError:
     return ApiError(ErrorCode.NOT_FOUND, f"no route {request.method} {path}", field="path")
 
 
+def forward_bytes(body: Any) -> bytes:
+    """The body vLLM gets, as JSON bytes (a lone surrogate escaped, as the client sent it; nothing
+    nested left for Ray to pickle); a body too deep to encode is INVALID_ARGUMENT naming it."""
+    try:
+        return json.dumps(body, separators=(",", ":")).encode()
+    except (RecursionError, ValueError) as e:
+        raise ApiError(ErrorCode.INVALID_ARGUMENT, f"body: cannot be encoded again ({type(e).__name__})",
+                       field="body") from None
+
+
 def specserve_object(c: Completion, with_tokens: bool = True) -> dict[str, Any]:
     """The `specserve` object of an answer: the request id, what was decided and what happened
     (`cluster.speculation.SpecStats`), timings, and the first choice's token ids."""
@@ -231,7 +246,7 @@ def specserve_object(c: Completion, with_tokens: bool = True) -> dict[str, Any]:
 
 
 def merge_metrics(texts: dict[str, str]) -> str:
-    """Prometheus text expositions, one per pool, as one: every sample gains a `pool` label, and
+    r"""Prometheus text expositions, one per pool, as one: every sample gains a `pool` label, and
     each family's samples stay together under its one HELP and TYPE.
 
     >>> print(merge_metrics({"a": "# TYPE x counter\nx{m=\"1\"} 2\n", "b": "# TYPE x counter\nx 3\n"}), end="")

@@ -18,6 +18,7 @@ import contextvars
 import json
 from argparse import Namespace
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from cluster.ops.models import resolve_server_args
@@ -135,6 +136,9 @@ async def build_openai_app(engine: Any, args: Namespace) -> Any:
     supported = await engine.get_supported_tasks()
     app = build_app(args, supported, engine.model_config)
     await init_app_state(CapturingEngine(engine), app.state, args, supported)
+    # vLLM's error handler asks its uvicorn server to exit when the engine is dead; here no server
+    # runs, and the replica's own death handling retires it (`deployments.engine_death`).
+    app.state.server = SimpleNamespace(should_exit=False)
     return app
 
 

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from cluster.api.types import ApiError, ChatMessage, ErrorCode, GenerateRequest, parse_request
+from pydantic import TypeAdapter, ValidationError
+
+from cluster.api.types import ApiError, ChatMessage, ErrorCode, GenerateRequest, UpstreamError, parse_request
 
 SPECSERVE_EXT = "specserve"
 _EXT_FIELDS = ("workload_class", "speculative", "request_id")
+_BOOL = TypeAdapter(bool)
+# Fields whose strings vLLM passes to its engine core as they are (a prompt is tokenized before).
+ENGINE_STRING_FIELDS = ("stop", "bad_words", "structured_outputs", "response_format", "vllm_xargs", "logit_bias")
 
 
 def text_of(content: Any) -> str:
@@ -49,6 +54,42 @@ def request_class(body: dict[str, Any]) -> Optional[str]:
     return None
 
 
+def _lax_bool(value: Any) -> bool:
+    """A flag as vLLM's request models read it (pydantic's lax bool: "yes", 1, "true", ...); else False.
+
+    >>> [_lax_bool(v) for v in (True, "yes", 1, "on", "no", None, [1], 2)]
+    [True, True, True, True, False, False, False, False]
+    """
+    try:
+        return _BOOL.validate_python(value)
+    except ValidationError:
+        return False
+
+
+def lone_surrogate_field(body: dict[str, Any]) -> Optional[str]:
+    r"""The first field of ENGINE_STRING_FIELDS holding a string with a lone surrogate (valid JSON,
+    not encodable as UTF-8): vLLM would take it and then fail inside its engine.
+
+    >>> lone_surrogate_field({"stop": ["ok", "\ud800"]}), lone_surrogate_field({"stop": "ok", "prompt": "\ud800"})
+    ('stop', None)
+    """
+    for name in ENGINE_STRING_FIELDS:
+        stack, seen = [body.get(name)], 0
+        while stack and seen < 10_000:
+            value, seen = stack.pop(), seen + 1
+            if isinstance(value, str):
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    return name
+            elif isinstance(value, dict):
+                stack.extend(value.keys())
+                stack.extend(value.values())
+            elif isinstance(value, list):
+                stack.extend(value)
+    return None
+
+
 def _number(value: Any, default: float) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
@@ -74,6 +115,10 @@ def routing_view(body: Any, chat: bool) -> tuple[GenerateRequest, dict[str, Any]
     unknown = sorted(set(ext) - set(_EXT_FIELDS))
     if unknown:
         raise ApiError(ErrorCode.INVALID_ARGUMENT, f"specserve: unknown fields {unknown}", field="specserve")
+    bad = lone_surrogate_field(forward)
+    if bad is not None:  # vLLM's error shape: the caller gets one kind of error body for vLLM's fields
+        raise UpstreamError(400, {"error": {"message": f"{bad}: strings must be valid Unicode (no lone surrogates)",
+                                            "type": "BadRequestError", "param": bad, "code": 400}})
     checked = parse_request({"prompt": "-", **{k: v for k, v in ext.items() if v is not None}})  # names a bad field
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
@@ -93,7 +138,7 @@ def routing_view(body: Any, chat: bool) -> tuple[GenerateRequest, dict[str, Any]
         max_tokens=1,  # unread: vLLM checks the request's length against the context itself
         temperature=_number(body.get("temperature"), 1.0), top_p=1.0, seed=None, stop=[], logprobs=None,
         workload_class=checked.workload_class, speculative=checked.speculative, request_id=checked.request_id,
-        stream=body.get("stream") is True, ignore_eos=body.get("ignore_eos") is True,
+        stream=_lax_bool(body.get("stream")), ignore_eos=_lax_bool(body.get("ignore_eos")),
         format_class=request_class(body),
     )
     return req, forward

@@ -50,7 +50,8 @@ class Job:
         return [{"role": "user", "content": f"[{self.nonce}] {self.prompt.text}"}]
 
 
-# Added to every request to a stock-vLLM server: usage in the last event, token ids in every chunk.
+# Added to every request, the cluster's and the stock servers' alike (both answer with vLLM's serving
+# layer): usage in the last event, token ids in every chunk.
 STOCK_EXTRA = {"stream_options": {"include_usage": True}, "return_token_ids": True}
 
 
@@ -94,12 +95,12 @@ class Runner:
         kwargs = dict(
             messages=job.messages(), model=self.model, max_tokens=job.max_tokens or self.max_tokens,
             temperature=job.temperature, top_p=self.top_p if job.temperature > 0 else None,
-            seed=job.seed, logprobs=job.logprobs, extra={"ignore_eos": True} if self.ignore_eos else None,
+            seed=job.seed, logprobs=job.logprobs,
+            extra={**STOCK_EXTRA, **({"ignore_eos": True} if self.ignore_eos else {})},
         )
         if job.config.baseline:
             if job.config.name not in self.stock_clients:
                 raise KeyError(f"no server for baseline {job.config.name!r}")
-            kwargs["extra"] = {**STOCK_EXTRA, **(kwargs["extra"] or {})}
             return self.stock_clients[job.config.name], kwargs
         kwargs.update(speculative=job.config.speculative(), request_id=self._request_id(job),
                       workload_class=job.prompt.workload_class if self.hint_workload_class else None)

@@ -48,7 +48,9 @@ def test_baseline_in_every_phase_with_a_trace(tmp_path, capsys):
     assert stock.requests and all("specserve" not in b for b in stock.requests)
     assert all(b["return_token_ids"] is True and b["stream_options"] == {"include_usage": True}
                and b["model"] == "fake-model" for b in stock.requests)
-    assert not any(b.get("return_token_ids") for b in cluster.requests)
+    # The cluster got the same OpenAI body, plus its own extension (both answer with vLLM's serving layer).
+    assert all(b["return_token_ids"] is True and b["stream_options"] == {"include_usage": True} and "specserve" in b
+               for b in cluster.requests)
     stock_samples = [s for s in measured if s.config == "stock-none"]
     assert {s.phase for s in stock_samples} == {"compare", "sweep", "trace"}
     assert all(s.spec == {} and len(s.token_ids) == 6 and s.chunk_tokens == [1] * 6 for s in stock_samples)

@@ -45,7 +45,7 @@ def test_a_format_or_tools_make_the_request_structured():
 
 
 @pytest.mark.parametrize("body", [{"messages": "x"}, {"messages": [1, None]}, {"prompt": 7}, {"prompt": [1, 2]},
-                                  {"messages": MSG, "temperature": "hot", "stream": "yes", "model": 3}])
+                                  {"messages": MSG, "temperature": "hot", "stream": "maybe", "model": 3}])
 def test_shapes_vllm_refuses_pass_through_for_vllm_to_name(body):
     req, fwd = routing_view(body, chat="messages" in body)
     assert fwd == body and not req.stream

@@ -11,7 +11,7 @@ MODULES = ["cluster.percentile", "cluster.engine.lookup_proposer", "cluster.rout
            "cluster.bench.runs_check", "cluster.bench.split", "cluster.bench.step_split", "cluster.bench.k_replay", "cluster.ops.placement",
            "cluster.policy.teaching", "cluster.routing.deadline", "cluster.ops.cpu_pinning", "cluster.state.redis_client",
            "cluster.api.openai_body", "cluster.ops.models", "deployments.vllm_openai", "deployments.engine_types",
-           "deployments.router_http"]
+           "deployments.router_http", "cluster.client"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -39,7 +39,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from cluster.api.openai_body import routing_view
-from cluster.api.types import MAX_PROMPT_CHARS, ApiError, ErrorCode, body_too_large, check_json_content_type
+from cluster.api.types import (MAX_PROMPT_CHARS, ApiError, ErrorCode, UpstreamError, body_too_large,
+                               check_json_content_type)
 from cluster.config import load_config
 from cluster.speculation import WORKLOAD_CLASSES, SpecMode
 from cluster.api.wire import from_proto
@@ -86,19 +87,23 @@ def _vllm_model(chat: bool):
 def _openai_expect(router: Router, data: Any, chat: bool) -> Expect:
     """An OpenAI body: specserve's extension and limits (the router's), then vLLM's request model."""
     from pydantic import ValidationError
+    from vllm.exceptions import VLLMClientError
 
     try:
         req, forward = routing_view(data, chat=chat)
         if req.model is not None and req.model not in router.served:
             req.model = None  # as the door does: vLLM answers that the body's model does not exist
         router.plan(req)
+    except UpstreamError as e:  # refused in vLLM's error shape (a string vLLM's engine cannot take)
+        return Expect(ok=False, status=e.status, vllm_error=True)
     except ApiError as e:
         return Expect(ok=False, status=e.code.http_status, grpc_code=e.code.grpc_name, field=e.field)
     try:
         vreq = _vllm_model(chat).model_validate(forward)
-    except (ValidationError, ValueError, TypeError, RecursionError):
+    except (ValidationError, VLLMClientError, ValueError, TypeError, RecursionError):
         return Expect(ok=False, status=400, vllm_error=True)
-    max_tokens = getattr(vreq, "max_completion_tokens", None) or vreq.max_tokens
+    max_tokens = (vreq.max_completion_tokens if "max_completion_tokens" in type(vreq).model_fields else None) \
+        or vreq.max_tokens
     chars = len(req.prompt or "") + sum(len(m.content) for m in req.messages or [])
     return Expect(ok=True, max_tokens=max_tokens if max_tokens is not None else 10**9, long_prompt=chars >= LONG_PROMPT_CHARS,
                   stream=bool(vreq.stream), vllm=True, choices=max(int(vreq.n or 1), 1))
@@ -568,7 +573,8 @@ def _judge_http(r: httpx.Response, e: Expect) -> tuple[str, Optional[str]]:
     if e.vllm_error:  # vLLM's error body: `code` is the HTTP status, the message says what was wrong
         ok = err.get("code") == r.status_code and isinstance(err.get("message"), str) and err["message"]
         return status, None if ok else f"not vLLM's error body for HTTP {r.status_code}: {err}"
-    code = ErrorCode[err.get("code", "").upper()] if err.get("code", "").upper() in ErrorCode.__members__ else None
+    name = str(err.get("code", "")).upper()
+    code = ErrorCode[name] if name in ErrorCode.__members__ else None
     if code is None or code.http_status != r.status_code or err.get("type") != code.openai_type:
         return status, f"error body inconsistent with HTTP {r.status_code}: {err}"
     if err.get("param") is None:

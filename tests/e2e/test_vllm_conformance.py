@@ -244,3 +244,25 @@ def test_a_seed_gives_the_same_sample_every_time_through_specserve(cluster):
     texts = {httpx.post(cluster.http_url + "/v1/chat/completions", json=body, timeout=120).json()
              ["choices"][0]["message"]["content"] for _ in range(2)}
     assert len(texts) == 1, texts
+
+
+@pytest.mark.parametrize("fmt", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}},
+    {"tools": TOOLS, "tool_choice": "required"},
+    {"structured_outputs": {"regex": "(Paris|Rome)( is a city\\.)+"}},
+])
+def test_constrained_output_is_the_same_with_every_mode_and_k(cluster, fmt):
+    """Structured outputs and tool calls go through per-request speculation: greedy output the same as
+    plain decoding in every mode at every K (vLLM's scheduler cuts a draft at the first token the
+    grammar forbids, so none is verified), and the router files the request as `structured`."""
+    answers = {}
+    for spec in ({"mode": "none", "k": 0}, {"mode": "ngram", "k": 6}, {"mode": "suffix", "k": 16}, None):
+        body = _chat(messages=WEATHER, max_tokens=48, **fmt, **({"specserve": {"speculative": spec}} if spec else {}))
+        r = httpx.post(cluster.http_url + "/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        a = r.json()
+        msg = a["choices"][0]["message"]
+        answers[spec["mode"] if spec else "router"] = (msg["content"], [(t["function"]["name"], t["function"]["arguments"])
+                                                  for t in msg.get("tool_calls") or []], a["specserve"]["token_ids"])
+        assert a["specserve"]["workload_class"] == "structured"
+    assert len(set(map(repr, answers.values()))) == 1, answers

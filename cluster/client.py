@@ -151,6 +151,8 @@ def build_body(*, prompt: Optional[str] = None, messages: Optional[list[dict]] =
         raise ValueError("give exactly one of prompt and messages")
     chat = messages is not None
     body: dict[str, Any] = {"max_tokens": max_tokens, "stream": stream}
+    if stream:  # vLLM's fields: each event's token ids, usage in the last event
+        body.update(return_token_ids=True, stream_options={"include_usage": True})
     if chat:
         body["messages"] = messages
     else:

@@ -13,7 +13,8 @@ from typing import Any, Optional
 
 from pydantic import TypeAdapter, ValidationError
 
-from cluster.api.types import ApiError, ChatMessage, ErrorCode, GenerateRequest, UpstreamError, parse_request
+from cluster.api.types import (MAX_MESSAGES, ApiError, ChatMessage, ErrorCode, GenerateRequest, UpstreamError,
+                               parse_request)
 
 SPECSERVE_EXT = "specserve"
 _EXT_FIELDS = ("workload_class", "speculative", "request_id")
@@ -124,6 +125,9 @@ def routing_view(body: Any, chat: bool) -> tuple[GenerateRequest, dict[str, Any]
     messages: Optional[list[ChatMessage]] = None
     if chat:
         raw = body.get("messages")
+        if isinstance(raw, list) and len(raw) > MAX_MESSAGES:  # specserve's bound, as on gRPC (api docs)
+            raise ApiError(ErrorCode.INVALID_ARGUMENT, f"messages: {len(raw)} messages, more than {MAX_MESSAGES}",
+                           field="messages")
         messages = [ChatMessage.model_construct(role=str(m.get("role", "")), content=text_of(m.get("content")))
                     for m in raw if isinstance(m, dict)] if isinstance(raw, list) else []
         if not messages:

@@ -137,3 +137,20 @@ def test_other_content_types_are_415(header):
 def test_error_codes_keep_their_openai_names():
     assert {c.name.lower() for c in ErrorCode} >= {"invalid_argument", "resource_exhausted", "unavailable"}
     assert ApiError(ErrorCode.INVALID_ARGUMENT, "x").to_openai()["error"]["code"] == "invalid_argument"
+
+
+def test_more_messages_than_the_bound_are_refused_naming_them():
+    from cluster.api.types import MAX_MESSAGES
+
+    assert bad({"messages": MSG * (MAX_MESSAGES + 1)}).field == "messages"
+    assert len(routing_view({"messages": MSG * MAX_MESSAGES}, chat=True)[0].messages) == MAX_MESSAGES
+
+
+def test_a_lone_surrogate_in_a_string_vllm_hands_its_engine_is_refused_in_vllms_shape():
+    from cluster.api.types import UpstreamError
+
+    with pytest.raises(UpstreamError) as e:
+        routing_view({"messages": MSG, "stop": ["ok", "\ud800"]}, chat=True)
+    assert e.value.status == 400 and e.value.to_openai()["error"]["param"] == "stop"
+    assert e.value.to_openai()["error"]["code"] == 400  # vLLM's error body: the code is the HTTP status
+    routing_view({"messages": [{"role": "user", "content": "\ud800"}]}, chat=True)  # a prompt is vLLM's to take

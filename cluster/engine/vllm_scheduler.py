@@ -100,23 +100,13 @@ def requested_k(extra_args: Optional[dict[str, Any]], k_max: int) -> int:
 
 
 def cap_table_from(extra_args: Optional[dict[str, Any]]) -> Optional[list[tuple[int, int]]]:
-    """The cap table a request carries (sent by the router from the tuned state), or None: pairs,
-    or the same pairs flattened (what vLLM's `vllm_xargs` can carry).
+    """The cap table a request carries (sent by the router from the tuned state), or None.
 
     Malformed tables are ignored (None), never an engine error.
-
-    >>> cap_table_from({EXTRA_ARGS_K_CAP: [[1, 6], [8, 2]]}), cap_table_from({EXTRA_ARGS_K_CAP: [8, 2, 1, 6]})
-    ([(1, 6), (8, 2)], [(1, 6), (8, 2)])
-    >>> cap_table_from({EXTRA_ARGS_K_CAP: [1, 6, 8]}) is None
-    True
     """
     raw = (extra_args or {}).get(EXTRA_ARGS_K_CAP)
-    if not isinstance(raw, (list, tuple)) or not raw or len(raw) > 128:
+    if not isinstance(raw, (list, tuple)) or not raw or len(raw) > 64:
         return None
-    if all(isinstance(x, (int, float)) for x in raw):
-        if len(raw) % 2:
-            return None
-        raw = list(zip(raw[::2], raw[1::2]))
     try:
         table = sorted((int(a), int(b)) for a, b in raw)
     except (TypeError, ValueError):

@@ -96,7 +96,7 @@ class Runner:
             messages=job.messages(), model=self.model, max_tokens=job.max_tokens or self.max_tokens,
             temperature=job.temperature, top_p=self.top_p if job.temperature > 0 else None,
             seed=job.seed, logprobs=job.logprobs,
-            extra={**STOCK_EXTRA, **({"ignore_eos": True} if self.ignore_eos else {})},
+            extra={**job.prompt.request, **STOCK_EXTRA, **({"ignore_eos": True} if self.ignore_eos else {})},
         )
         if job.config.baseline:
             if job.config.name not in self.stock_clients:

@@ -30,6 +30,8 @@ WORKLOAD_CLASS_OF = {
     "math_reasoning": "math", "rag": "rag",
     # The repeated-structure workload (cluster/bench/repeated.py): each category is its own task.
     "templated_extraction": "extraction", "agent_loop": "structured", "code_edit": "code", "form_chat": "chat",
+    # The constrained workload (cluster/bench/structured.py).
+    "json_extraction": "structured", "tool_call": "structured",
 }
 
 
@@ -39,6 +41,13 @@ class Prompt:
     category: str  # the file's category
     task: str  # the reporting group (Spec-Bench task)
     text: str  # the first turn
+    # OpenAI request fields the line carries (`request`, as JSON text: the prompt stays hashable), added
+    # to every request's body, the cluster's and the stock servers' (cluster/bench/structured.py).
+    request_json: str = ""
+
+    @property
+    def request(self) -> dict:
+        return json.loads(self.request_json) if self.request_json else {}
 
     @property
     def messages(self) -> list[dict]:
@@ -67,11 +76,15 @@ def parse_lines(lines: list[str], source: str = "<prompts>") -> list[Prompt]:
             turns = obj["turns"]
             if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0]:
                 raise ValueError("`turns` must be a non-empty list whose first item is a non-empty string")
+            request = obj.get("request") or {}
+            if not isinstance(request, dict):
+                raise ValueError("`request` must be an object of OpenAI request fields")
             prompts.append(Prompt(question_id=str(obj["question_id"]), category=str(obj["category"]),
-                                  task=task_of(str(obj["category"])), text=turns[0]))
+                                  task=task_of(str(obj["category"])), text=turns[0],
+                                  request_json=json.dumps(request, sort_keys=True) if request else ""))
         except (ValueError, KeyError, TypeError) as e:
             raise WorkloadError(f"{source}:{n}: {type(e).__name__}: {e} "
-                                "(expected question_id, category, turns)") from None
+                                "(expected question_id, category, turns, optionally request)") from None
     if not prompts:
         raise WorkloadError(f"{source}: no prompts")
     return prompts

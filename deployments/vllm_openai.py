@@ -27,6 +27,8 @@ from cluster.ops.models import resolve_server_args
 # dev routes, is never reachable from outside).
 SERVED_PATHS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/version", "/metrics")
 
+DISCONNECT_GRACE_S = 5.0  # how long an abandoned call's app may take to notice the disconnect and end
+
 _CAPTURE: contextvars.ContextVar[Optional["Capture"]] = contextvars.ContextVar("specserve_capture", default=None)
 
 
@@ -156,7 +158,7 @@ class AsgiEvent:
 async def call_app(app: Any, method: str, path: str, body: bytes, capture: Capture,
                    headers: Sequence[tuple[str, str]] = (), query: str = "") -> AsyncIterator[AsgiEvent]:
     """Run one HTTP request through the ASGI `app` in process and yield its answer as it comes.
-    Closing the iterator early cancels the app's handler, which aborts the request in vLLM."""
+    Closing the iterator early is a client disconnect, which aborts the request in vLLM."""
     queue: asyncio.Queue = asyncio.Queue()
     sent = False
     hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -205,12 +207,20 @@ async def call_app(app: Any, method: str, path: str, body: bytes, capture: Captu
         await task  # the app's own failure, if any, surfaces here
     finally:
         if not task.done():
+            # The caller went away: tell the app, whose own disconnect handling aborts the request in
+            # vLLM (cancelling the handler's task alone would not: vLLM runs the handler in a task of
+            # its own, `with_cancellation`). Cancel it only if it is still running after a grace.
             disconnect.set()
-            task.cancel()
             try:
-                await task
-            except BaseException:  # noqa: BLE001 - cancelled on purpose; the request is aborted in vLLM
+                await asyncio.wait_for(asyncio.shield(task), timeout=DISCONNECT_GRACE_S)
+            except BaseException:  # noqa: BLE001 - the app's failure or the grace's end: cancel below
                 pass
+            if not task.done():
+                task.cancel()
+                try:
+                    await task
+                except BaseException:  # noqa: BLE001 - cancelled on purpose
+                    pass
 
 
 # -- the response, with specserve's object added ------------------------------------------------

@@ -82,20 +82,7 @@ def test_outside_a_call_the_engine_is_untouched():
     assert len(outs) == 1 and params.output_kind == RequestOutputKind.FINAL_ONLY
 
 
-def test_call_app_streams_the_answer_and_cancels_the_handler_when_closed_early():
-    started, cancelled = asyncio.Event(), []
-
-    async def app(scope, receive, send):
-        body = (await receive())["body"]
-        await send({"type": "http.response.start", "status": 201, "headers": [(b"content-type", b"text/plain")]})
-        await send({"type": "http.response.body", "body": body, "more_body": True})
-        started.set()
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            cancelled.append(scope["path"])
-            raise
-
+def _first_body_then_close(app):
     async def go():
         events = []
         gen = call_app(app, "POST", "/x", b"hello", Capture())
@@ -105,10 +92,41 @@ def test_call_app_streams_the_answer_and_cancels_the_handler_when_closed_early()
                 break
         await gen.aclose()
         return events
+    return asyncio.run(go())
 
-    events = asyncio.run(go())
+
+def test_closing_a_call_early_is_a_disconnect_the_app_sees():
+    seen = []
+
+    async def app(scope, receive, send):  # as vLLM's handlers do: listen for the client going away
+        body = (await receive())["body"]
+        await send({"type": "http.response.start", "status": 201, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        seen.append((await receive())["type"])
+
+    events = _first_body_then_close(app)
     assert events[0].status == 201 and ("content-type", "text/plain") in events[0].headers
-    assert events[1].body == b"hello" and cancelled == ["/x"]
+    assert events[1].body == b"hello" and seen == ["http.disconnect"]
+
+
+def test_an_app_that_ignores_the_disconnect_is_cancelled_after_the_grace(monkeypatch):
+    import deployments.vllm_openai as V
+
+    monkeypatch.setattr(V, "DISCONNECT_GRACE_S", 0.05)
+    cancelled = []
+
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"x", "more_body": True})
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(scope["path"])
+            raise
+
+    _first_body_then_close(app)
+    assert cancelled == ["/x"]
 
 
 def test_the_specserve_object_goes_on_the_last_json_event_before_done():

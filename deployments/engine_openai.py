@@ -41,7 +41,9 @@ class OpenAIDoor:
                 pending_tokens += capture.take_new()
                 if t_first is None and capture.token_ids.get(0):
                     t_first = time.monotonic()
-                if capture.finished or not flush(pending_tokens, sent_any, False,
+                # A streamed call's tokens go out with the event that carries their text (`call_app`
+                # gives them together); an unstreamed call has no body until the end.
+                if capture.finished or (req.streamed and not ev.body) or not flush(pending_tokens, sent_any, False,
                                                  self.engine.get_num_unfinished_requests(),
                                                  self.pool.stream_chunks_per_step, req.streamed,
                                                  time.monotonic() - t_sent):

@@ -193,17 +193,18 @@ async def call_app(app: Any, method: str, path: str, body: bytes, capture: Captu
     finally:
         _CAPTURE.reset(token)
     try:
-        while True:
-            message = await queue.get()
-            if message is None:
-                break
-            if message["type"] == "http.response.start":
-                yield AsgiEvent(status=int(message["status"]),
-                                headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])])
-            elif message["type"] == "specserve.progress":
-                yield AsgiEvent(progress=True)
-            elif message["type"] == "http.response.body":
-                yield AsgiEvent(body=message.get("body", b""), more=bool(message.get("more_body", False)))
+        ended = False
+        while not ended:
+            # What the app sent together comes as one event: an engine output's progress, then the
+            # SSE events vLLM made of it (a stream's first: its role, then its text), so that the
+            # caller never sends a token apart from its text.
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            ended = None in batch
+            batch = [m for m in batch if m is not None]
+            if batch:
+                yield merged(batch)
         await task  # the app's own failure, if any, surfaces here
     finally:
         if not task.done():
@@ -221,6 +222,25 @@ async def call_app(app: Any, method: str, path: str, body: bytes, capture: Captu
                     await task
                 except BaseException:  # noqa: BLE001 - cancelled on purpose
                     pass
+
+
+def merged(messages: list[dict]) -> AsgiEvent:
+    """ASGI messages sent one after another as one event: the start's status and headers, the
+    bodies joined, progress if any was progress.
+
+    >>> merged([{"type": "specserve.progress"}, {"type": "http.response.body", "body": b"a", "more_body": True},
+    ...         {"type": "http.response.body", "body": b"b", "more_body": True}])
+    AsgiEvent(status=None, headers=None, body=b'ab', more=True, progress=True)
+    """
+    ev = AsgiEvent(progress=any(m["type"] == "specserve.progress" for m in messages))
+    for m in messages:
+        if m["type"] == "http.response.start":
+            ev.status = int(m["status"])
+            ev.headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in m.get("headers", [])]
+        elif m["type"] == "http.response.body":
+            ev.body += m.get("body", b"")
+            ev.more = bool(m.get("more_body", False))
+    return ev
 
 
 # -- the response, with specserve's object added ------------------------------------------------

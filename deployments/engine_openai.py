@@ -21,7 +21,7 @@ class OpenAIDoor:
 
     async def _openai_chunks(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
         """An OpenAI call through vLLM's serving layer (`deployments.vllm_openai`), with the request's
-        speculation added to its `vllm_xargs`. Chunks are gathered as `generate`'s are
+        speculation added to its `SamplingParams.extra_args` once vLLM has validated the body. Chunks are gathered as `generate`'s are
         (`cluster.engine.coalesce`); what comes after the engine finished the request is held for
         the last chunk, which carries the stats (the router adds them to vLLM's last event)."""
         if self.openai_app is None:
@@ -36,7 +36,7 @@ class OpenAIDoor:
             async for ev in events:
                 if ev.status is not None:
                     status = ev.status
-                    media = next((v for k, v in ev.headers or () if k.lower() == "content-type"), None)
+                    media = ev.media_type
                 raw += ev.body.decode("utf-8", errors="replace")
                 pending_tokens += capture.take_new()
                 if t_first is None and capture.token_ids.get(0):
@@ -77,6 +77,6 @@ class OpenAIDoor:
             async for ev in events:
                 if ev.status is not None:
                     status = ev.status
-                    media = next((v for k, v in ev.headers or () if k.lower() == "content-type"), None)
+                    media = ev.media_type
                 chunks.append(ev.body)
         return {"status": status, "media_type": media, "body": b"".join(chunks).decode("utf-8", errors="replace")}

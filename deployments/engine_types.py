@@ -31,7 +31,7 @@ class EngineRequest:
     k_step_alpha: Optional[float] = None  # class α: the engine picks K (<= k) at every step (cluster.engine.step_k)
     streamed: bool = True  # False: the caller wants the whole text; the replica sends first token + final chunk
     # An OpenAI call served by vLLM's own serving layer (`deployments.vllm_openai`): {"path": ...,
-    # "body": the JSON body}. The body carries the prompt and sampling fields; the fields above
+    # "body": the JSON body as bytes}. The body carries the prompt and sampling fields; the fields above
     # other than the request id and the speculation (mode, k, k_*) are then unused.
     openai: Optional[dict[str, Any]] = None
 

@@ -28,10 +28,9 @@ from cluster.api.auth import bearer_from_http
 from cluster.api.openai_body import routing_view
 from cluster.api.types import ApiError, ErrorCode, GenerateRequest, body_too_large, check_json_content_type
 from cluster.api.wire import Completion
-from cluster.routing.deadline import RETRY_AFTER_S
 from deployments.vllm_openai import add_to_stream_tail, json_with_object
 from cluster.policy.teaching import client_id
-from cluster.routing.deadline import body_expired
+from cluster.routing.deadline import RETRY_AFTER_S, body_expired
 
 
 class HttpDoor:

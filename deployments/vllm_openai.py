@@ -154,6 +154,11 @@ class AsgiEvent:
     more: bool = True
     progress: bool = False  # no message: the engine gave the call an output (see `Capture`)
 
+    @property
+    def media_type(self) -> Optional[str]:
+        """The answer's Content-Type, on the event that carries its start."""
+        return next((v for k, v in self.headers or () if k.lower() == "content-type"), None)
+
 
 async def call_app(app: Any, method: str, path: str, body: bytes, capture: Capture,
                    headers: Sequence[tuple[str, str]] = (), query: str = "") -> AsyncIterator[AsgiEvent]:

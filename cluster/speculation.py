@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
 
 # Keys under SamplingParams.extra_args that carry the per-request K, and the pool's current
 # per-step cap table [(min_batch_size, k_cap), ...], into the engine's scheduler.
@@ -40,6 +41,30 @@ EXTRA_ARGS_K_STEP = "specserve_k_step"
 # The drafting method of a request in an engine that has more than one (n-gram and suffix lookup,
 # `cluster.engine.lookup_proposer`); absent: the pool's method.
 EXTRA_ARGS_MODE = "specserve_mode"
+
+# vLLM's epsilon: a min_p at or below it is off.
+_SAMPLING_EPS = 1e-5
+
+
+def plain_field(body: Any) -> Optional[str]:
+    """The field of an OpenAI body (or `SamplingParams`-like object) that needs K = 0, or None:
+    vLLM refuses `logit_bias` and `min_p` in an engine with speculation, and specserve serves them
+    at K = 0 (`cluster.engine.plain_params`).
+
+    >>> plain_field({"logit_bias": {"28": 5}}), plain_field({"min_p": 0.1}), plain_field({"min_p": 0, "logit_bias": {}})
+    ('logit_bias', 'min_p', None)
+    >>> plain_field({"min_p": "0.2"}), plain_field({"min_p": "x"})  # vLLM names a malformed value itself
+    ('min_p', None)
+    """
+    get = body.get if isinstance(body, dict) else lambda name: getattr(body, name, None)
+    if get("logit_bias"):
+        return "logit_bias"
+    try:
+        min_p = float(get("min_p") or 0)
+    except (TypeError, ValueError):
+        return None
+    return "min_p" if min_p > _SAMPLING_EPS else None
+
 
 # Accepted runs longer than this are counted as this long (`accepted_runs`); 4 x the largest K
 # here, so the cap changes no step count the policy compares.

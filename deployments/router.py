@@ -150,10 +150,18 @@ class Router(HttpDoor, GrpcDoor):
         classified = req.format_class or self.classify(req.prompt, [m.model_dump() for m in req.messages] if req.messages else None)
         wclass = req.workload_class or classified
         spec = req.speculative
+        mode, k = (spec.mode, spec.k) if spec else (None, None)
+        if req.plain_field:  # served at K = 0 only (`cluster.engine.plain_params`)
+            if mode not in (None, "none") or k:
+                raise ApiError(ErrorCode.INVALID_ARGUMENT,
+                               f"{req.plain_field}: served only without speculation (K = 0), but specserve.speculative "
+                               f"asks for {mode} K {k}", field=req.plain_field)
+            mode, k = "none", 0
         tuning = self.tuning.snapshot(model) if self.tuning is not None else None
-        decision = route(self._live_pools(model), self.config.router, wclass,
-                         mode_override=spec.mode if spec else None, k_override=spec.k if spec else None,
+        decision = route(self._live_pools(model), self.config.router, wclass, mode_override=mode, k_override=k,
                          tuning=tuning)
+        if req.plain_field:
+            decision.detail["plain_for"] = req.plain_field
         decision.detail["classified"] = classified  # what teaches the tuner (`cluster.policy.teaching`)
         if "load_bucket" not in decision.detail:  # the bucket its stats belong to: the load it met
             live = {v.name: v for v in self._live_pools(model)}

@@ -9,12 +9,14 @@ class) and takes out specserve's own extension, `"specserve": {"workload_class",
 
 from __future__ import annotations
 
+import json
 from typing import Any, Optional
 
 from pydantic import TypeAdapter, ValidationError
 
 from cluster.api.types import (MAX_MESSAGES, ApiError, ChatMessage, ErrorCode, GenerateRequest, UpstreamError,
                                parse_request)
+from cluster.speculation import plain_field
 
 SPECSERVE_EXT = "specserve"
 _EXT_FIELDS = ("workload_class", "speculative", "request_id")
@@ -143,6 +145,16 @@ def routing_view(body: Any, chat: bool) -> tuple[GenerateRequest, dict[str, Any]
         temperature=_number(body.get("temperature"), 1.0), top_p=1.0, seed=None, stop=[], logprobs=None,
         workload_class=checked.workload_class, speculative=checked.speculative, request_id=checked.request_id,
         stream=_lax_bool(body.get("stream")), ignore_eos=_lax_bool(body.get("ignore_eos")),
-        format_class=request_class(body),
+        format_class=request_class(body), plain_field=plain_field(body),
     )
     return req, forward
+
+
+def forward_bytes(body: Any) -> bytes:
+    """The body vLLM gets, as JSON bytes (a lone surrogate escaped, as the client sent it; nothing
+    nested left for Ray to pickle); a body too deep to encode is INVALID_ARGUMENT naming it."""
+    try:
+        return json.dumps(body, separators=(",", ":")).encode()
+    except (RecursionError, ValueError) as e:
+        raise ApiError(ErrorCode.INVALID_ARGUMENT, f"body: cannot be encoded again ({type(e).__name__})",
+                       field="body") from None

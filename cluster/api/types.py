@@ -148,6 +148,8 @@ class GenerateRequest(_Strict):
     # The workload class the request's own fields imply (a response format, tools), set by the
     # HTTP door (`cluster.api.openai_body.request_class`); it takes the place of the prompt's classifier.
     format_class: Optional[str] = Field(None, exclude=True)
+    # A sampling field served only at K = 0 (`cluster.speculation.plain_field`), set by the HTTP door.
+    plain_field: Optional[str] = Field(None, exclude=True)
 
     @field_validator("stop")
     @classmethod

@@ -1,4 +1,5 @@
-"""Sampled speculative decoding on vLLM's CPU build: the per-token temperature it never writes.
+"""Sampling in specserve's engines: the per-token temperature vLLM's CPU build never writes, and
+the hooks of `cluster.engine.keyed_sampling` and `cluster.engine.plain_params`.
 
 vLLM's rejection sampler expands each request's temperature (and top-k, top-p) to one value per
 verified token with `expand_kernel`, a Triton kernel. Without Triton's CPU backend, vLLM's CPU
@@ -57,13 +58,26 @@ def install() -> bool:
 
 
 def register() -> None:
-    """vLLM general plugin: in a process with SPECSERVE_SAMPLING_FIX=1, make the platform run
-    `install` right after it registers its own kernel overrides (a worker does so after loading
-    plugins, `vllm.v1.worker.worker_base`)."""
+    """vLLM general plugin: in a process with SPECSERVE_SAMPLING_FIX=1, let requests pinned at K = 0
+    pass vLLM's check of `logit_bias`/`min_p` (`cluster.engine.plain_params`; the replica's process
+    validates), and make the platform run `install` and the worker hooks right after it registers
+    its own kernel overrides (a worker does so after loading plugins, `vllm.v1.worker.worker_base`)."""
     if os.environ.get(ENV) == "1":
         from vllm.platforms import current_platform
 
+        from cluster.engine import plain_params
+
+        plain_params.install_validation()
         wrap(type(current_platform))
+
+
+def install_worker_hooks() -> None:
+    """In a worker: seeded sampling keyed by position (`cluster.engine.keyed_sampling`) and the
+    built-in logits processors under speculation (`cluster.engine.plain_params`)."""
+    from cluster.engine import keyed_sampling, plain_params
+
+    keyed_sampling.install()
+    plain_params.install_logitsprocs()
 
 
 def wrap(platform: Any) -> bool:
@@ -75,6 +89,7 @@ def wrap(platform: Any) -> bool:
     def register_triton_kernel_overrides(cls) -> None:
         original()
         install()
+        install_worker_hooks()
 
     register_triton_kernel_overrides.specserve_fix = True
     platform.register_triton_kernel_overrides = classmethod(register_triton_kernel_overrides)

@@ -23,7 +23,8 @@ from cluster.engine.vllm_scheduler import k_cap_for_batch
 # admitted at, the batch it joined and, for a policy decision, the scores behind the choice.
 DECISION_FIELDS = ("load_bucket", "join_batch", "alpha", "draft_rate", "score", "scores", "k_scores", "hysteresis",
                    "k_uncapped",  # the policy's K before the per-step cap table cut it at admission
-                   "k_step_alpha")  # the class α a per-step-K request started from (`per_step_k`)
+                   "k_step_alpha",  # the class α a per-step-K request started from (`per_step_k`)
+                   "plain_for")  # the sampling field that needs K = 0 (`cluster.speculation.plain_field`)
 
 
 def decision_summary(d: Decision) -> dict:

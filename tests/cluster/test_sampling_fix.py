@@ -89,6 +89,7 @@ def test_installed_the_rejection_sampler_samples_the_tempered_target():
 def test_wrap_installs_after_the_platform_registers_its_own_kernels(monkeypatch):
     calls = []
     monkeypatch.setattr(sampling_fix, "install", lambda: calls.append("install"))
+    monkeypatch.setattr(sampling_fix, "install_worker_hooks", lambda: calls.append("hooks"))
 
     class Platform:
         @classmethod
@@ -98,7 +99,7 @@ def test_wrap_installs_after_the_platform_registers_its_own_kernels(monkeypatch)
     assert sampling_fix.wrap(Platform)
     assert not sampling_fix.wrap(Platform), "wrapped twice"
     Platform.register_triton_kernel_overrides()
-    assert calls == ["platform", "install"]
+    assert calls == ["platform", "install", "hooks"]
 
 
 def test_register_leaves_vllm_alone_without_the_environment_flag(monkeypatch):

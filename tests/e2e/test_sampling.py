@@ -4,9 +4,10 @@ Greedy losslessness (test_foundation.py) says nothing about temperature > 0, whe
 draft is replaced by a token drawn from the target's residual distribution. On vLLM's CPU build that
 draw used uninitialized temperatures until `cluster.engine.sampling_fix`: "four five refrigerant"
 where plain decoding says "four five six". Here one prompt whose answer continues a count (so drafts
-are both accepted and rejected) is sampled 160 times at temperature 1 per configuration, seeds 0..159,
-and each speculative configuration's answers are compared with plain decoding's by a permutation test
-on the per-position token frequencies.
+are both accepted and rejected) is sampled 160 times at temperature 1 per configuration, and each
+speculative configuration's answers (unseeded: vLLM's rejection sampler) are compared with plain
+decoding's (seeds 0..159: `cluster.engine.keyed_sampling`) by a permutation test on the
+per-position token frequencies. A seeded request gives one answer at every K.
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ def test_sampled_output_with_speculation_follows_plain_decoding(cluster):
         sem = asyncio.Semaphore(IN_FLIGHT)
 
         async def one(seed):
-            async with sem:
-                return await client.generate(prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0, seed=seed,
-                                             speculative=spec)
+            async with sem:  # seeded plain decoding, unseeded speculation (a seed fixes the answer at any K)
+                return await client.generate(prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0,
+                                             seed=seed if spec["mode"] == "none" else None, speculative=spec)
         return await asyncio.gather(*(one(i) for i in range(N)))
 
     async def run():
@@ -83,3 +84,21 @@ def test_sampled_output_with_speculation_follows_plain_decoding(cluster):
         p = permutation_p(base, [tuple(r.token_ids) for r in results])
         assert p > P_MIN, (f"{spec}: sampled answers differ from plain decoding's (p = {p:.4f}); "
                             f"plain {[r.text for r in plain[:4]]}, speculative {[r.text for r in results[:4]]}")
+
+
+def test_a_seed_gives_one_answer_at_every_k(cluster):
+    """The same seed, plain decoding and every mode and K (the router's choice too): one answer per
+    seed, while the drafts were both accepted and rejected; different seeds, different answers."""
+    specs = ({"mode": "none"}, {"mode": "ngram", "k": 2}, {"mode": "ngram", "k": 6}, {"mode": "suffix", "k": 16}, None)
+
+    async def run():
+        async with AsyncSpecServeClient(cluster.http_url) as client:
+            return [[await client.generate(prompt=PROMPT, max_tokens=24, temperature=1.0, seed=seed, speculative=spec)
+                     for spec in specs] for seed in range(6)]
+
+    answers = asyncio.run(run())
+    for seed, results in enumerate(answers):
+        assert len({tuple(r.token_ids) for r in results}) == 1, (seed, [r.text for r in results])
+    assert len({tuple(results[0].token_ids) for results in answers}) > 1
+    speculative = [r for results in answers for r in results[1:4]]
+    assert 0 < sum(r.spec.accepted for r in speculative) < sum(r.spec.drafted for r in speculative)

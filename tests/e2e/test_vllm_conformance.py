@@ -135,8 +135,6 @@ CHAT_CASES = {
     "seed_greedy": _chat(seed=7),
     "chat_template_kwargs": _chat(chat_template_kwargs={"add_generation_prompt": False}),
     "unknown_field": _chat(not_a_vllm_field=1),
-    "logit_bias": _chat(logit_bias={"28": 5}),  # refused by vLLM when speculation is configured
-    "min_p": _chat(min_p=0.1, temperature=0.7),
     "bad_max_tokens": _chat(max_tokens="ten"),
     "no_messages": {"model": MODEL, "max_tokens": 4},
     "unknown_model": _chat(model="nope"),
@@ -168,6 +166,46 @@ def test_chat_feature_gives_vllms_answer(cluster, stock, name):
         assert len(a["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 3
     if a.get("choices"):  # specserve's object rides along on every generation
         assert a["specserve"]["pool"] and "acceptance_length" in a["specserve"]
+
+
+def _first_tokens(url: str, body: dict) -> list[dict]:
+    """The top two candidates at each position of a greedy chat answer (token ids from logprobs)."""
+    r = httpx.post(url + "/v1/chat/completions", json={**body, "logprobs": True, "top_logprobs": 2,
+                                                        "return_tokens_as_token_ids": True}, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["logprobs"]["content"]
+
+
+def test_logit_bias_and_min_p_are_served_at_k0_where_vllm_refuses_them(cluster, stock):
+    """Stock vLLM refuses both whenever speculation is configured; specserve serves them at K = 0 in
+    the same engine. Their effect is checked against stock vLLM's own greedy answer: the first token
+    banned by logit_bias gives way to stock's second candidate, a +100 bias forces its token, and
+    min_p = 1 (only the most likely token survives) samples stock's greedy text at temperature 1."""
+    body = _chat(max_tokens=1)
+    refused = httpx.post(stock + "/v1/chat/completions", json={**body, "logit_bias": {"28": 5}}, timeout=300)
+    assert refused.status_code == 400 and "speculative decoding" in refused.text
+    first = _first_tokens(stock, body)[0]
+    banned, runner_up = (int(c["token"].split(":")[1]) for c in first["top_logprobs"])
+    for ext in ({}, {"specserve": {"speculative": {"mode": "none"}}}):
+        ours = httpx.post(cluster.http_url + "/v1/chat/completions",
+                          json={**body, **ext, "logit_bias": {str(banned): -100}}, timeout=300).json()
+        assert ours["specserve"]["token_ids"] == [runner_up], (ext, ours)
+        assert ours["specserve"]["k"] == 0 and ours["specserve"]["decision"]["plain_for"] == "logit_bias"
+    forced = httpx.post(cluster.http_url + "/v1/chat/completions",
+                        json=_chat(max_tokens=4, logit_bias={"330": 100}), timeout=300).json()
+    assert forced["specserve"]["token_ids"] == [330] * 4
+    greedy = httpx.post(stock + "/v1/chat/completions", json=_chat(max_tokens=16), timeout=300).json()
+    for seed in (1, 2):
+        ours = httpx.post(cluster.http_url + "/v1/chat/completions",
+                          json=_chat(max_tokens=16, temperature=1.0, min_p=1.0, seed=seed), timeout=300).json()
+        assert ours["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]
+        assert ours["specserve"]["decision"]["plain_for"] == "min_p"
+
+
+def test_logit_bias_with_a_speculative_k_is_refused_naming_the_field(cluster):
+    body = _chat(logit_bias={"28": 5}, specserve={"speculative": {"mode": "ngram", "k": 4}})
+    r = httpx.post(cluster.http_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "logit_bias" in r.text, r.text
 
 
 @pytest.mark.parametrize("name", list(COMPLETION_CASES))

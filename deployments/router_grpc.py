@@ -1,5 +1,7 @@
 """The router's gRPC front door: `specserve.v1.SpecServe` and `grpc.health.v1.Health` methods, which
 Ray Serve's gRPC proxy calls on the router replica by method name (with a `RayServegRPCContext`).
+Generations go through vLLM's serving layer in the engine replica, as HTTP ones do
+(`cluster.api.grpc_openai` maps the messages).
 
 A mixin of `deployments.router.Router`: the methods read the router's state (`complete`, `_stream`,
 `tuning`, `served`, `engines`, `auth`) and map every `ApiError` to a gRPC status with its details.
@@ -7,11 +9,14 @@ A mixin of `deployments.router.Router`: the methods read the router's state (`co
 
 from __future__ import annotations
 
+import json
 from contextlib import aclosing
 from typing import Any
 
-from cluster.api.types import ApiError, ErrorCode
 from cluster.api.auth import bearer_from_grpc
+from cluster.api.grpc_openai import StreamReader, openai_call, response_proto, token_logprob
+from cluster.api.openai_body import forward_bytes, request_class
+from cluster.api.types import ApiError, ErrorCode
 from cluster.api.wire import from_proto, generate_response_proto, spec_stats_proto, timing_proto
 from cluster.policy.teaching import client_id
 from specserve.v1 import specserve_pb2 as pb
@@ -48,12 +53,25 @@ class GrpcDoor:
                                                 field="request"))
         return request
 
+    def _grpc_call(self, request: Any, stream: bool) -> tuple[Any, dict[str, Any]]:
+        """(validated request, call for vLLM's serving layer) of a gRPC generation."""
+        req = from_proto(request)
+        path, body = openai_call(request, req, stream=stream)
+        req.format_class = request_class(body)
+        return req, {"path": path, "body": forward_bytes(body)}
+
     async def Generate(self, request, grpc_context=None):
         client = self._authenticate_grpc(grpc_context)
         request = self._decoded(request, grpc_context)
 
         try:
-            return generate_response_proto(pb, await self.complete(from_proto(request), client))
+            req, call = self._grpc_call(request, stream=False)
+            comp, raw = None, []
+            async with aclosing(self._stream(req, streamed=False, client=client, openai=call)) as stream:
+                async for chunk, comp in stream:
+                    raw.append(chunk.raw)
+            assert comp is not None
+            return response_proto(pb, json.loads("".join(raw)), generate_response_proto(pb, comp))
         except ApiError as e:
             raise self._grpc_fail(grpc_context, e) from None
 
@@ -62,16 +80,22 @@ class GrpcDoor:
         request = self._decoded(request, grpc_context)
 
         try:
-            async with aclosing(self._stream(from_proto(request), client=client)) as stream:
+            req, call = self._grpc_call(request, stream=True)
+            reader = StreamReader()
+            async with aclosing(self._stream(req, client=client, openai=call)) as stream:
                 async for chunk, comp in stream:
-                    msg = pb.GenerateStreamResponse(request_id=comp.request_id, text=chunk.text,
-                                                    token_ids=chunk.token_ids)
+                    text, token_ids, logprobs = reader.read(chunk.raw)
+                    msg = pb.GenerateStreamResponse(request_id=comp.request_id, text=text, token_ids=token_ids,
+                                                    logprobs=[token_logprob(pb, t) for t in logprobs])
                     if chunk.finish_reason is not None:
-                        msg.finish_reason = comp.finish_reason or ""
-                        msg.prompt_tokens = comp.prompt_tokens
-                        msg.completion_tokens = comp.completion_tokens
+                        msg.finish_reason = reader.finish_reason or comp.finish_reason or ""
+                        msg.prompt_tokens = int(reader.usage.get("prompt_tokens") or comp.prompt_tokens)
+                        msg.completion_tokens = int(reader.usage.get("completion_tokens") or comp.completion_tokens)
+                        msg.tool_calls.extend(pb.ToolCall(**c) for c in reader.tool_calls)
                         msg.timing.CopyFrom(timing_proto(pb, comp))
                         msg.spec.CopyFrom(spec_stats_proto(pb, comp))
+                    elif not (text or token_ids or logprobs):
+                        continue
                     yield msg
         except ApiError as e:
             raise self._grpc_fail(grpc_context, e) from None

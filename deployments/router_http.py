@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Match, Route
 
 from cluster.api.auth import bearer_from_http
-from cluster.api.openai_body import routing_view
+from cluster.api.openai_body import forward_bytes, routing_view
 from cluster.api.types import ApiError, ErrorCode, GenerateRequest, body_too_large, check_json_content_type
 from cluster.api.wire import Completion
 from deployments.vllm_openai import add_to_stream_tail, json_with_object
@@ -222,16 +222,6 @@ def route_error(request: Request, allowed: list[str]) -> ApiError:
         return ApiError(ErrorCode.METHOD_NOT_ALLOWED, f"path: {path} takes {', '.join(allowed)}, not {request.method}",
                         field="path")
     return ApiError(ErrorCode.NOT_FOUND, f"no route {request.method} {path}", field="path")
-
-
-def forward_bytes(body: Any) -> bytes:
-    """The body vLLM gets, as JSON bytes (a lone surrogate escaped, as the client sent it; nothing
-    nested left for Ray to pickle); a body too deep to encode is INVALID_ARGUMENT naming it."""
-    try:
-        return json.dumps(body, separators=(",", ":")).encode()
-    except (RecursionError, ValueError) as e:
-        raise ApiError(ErrorCode.INVALID_ARGUMENT, f"body: cannot be encoded again ({type(e).__name__})",
-                       field="body") from None
 
 
 def specserve_object(c: Completion, with_tokens: bool = True) -> dict[str, Any]:

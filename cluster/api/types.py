@@ -18,7 +18,7 @@ from cluster.speculation import WORKLOAD_CLASSES, SpecMode
 
 MAX_PROMPT_CHARS = 256 * 1024  # larger prompts are refused before tokenization
 MAX_MESSAGES = 256
-MAX_STOP = 8
+MAX_STOP = 4  # vLLM's own limit (VLLM_MAX_STOP_STRINGS), which serves every request
 MAX_STOP_CHARS = 128
 MAX_TOKENS_LIMIT = 32768
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")

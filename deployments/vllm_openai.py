@@ -91,12 +91,15 @@ class CapturingEngine:
 
     async def generate(self, prompt: Any, sampling_params: Any, *args: Any, **kwargs: Any):
         """The engine's outputs, recorded. A call that wants only the final output (FINAL_ONLY, a
-        response that is not streamed) is asked for CUMULATIVE outputs, which end in the same final
-        output, so that its progress (the first token) is seen; only the final one is passed on."""
+        response that is not streamed) of one choice is asked for CUMULATIVE outputs, which end in
+        the same final output, so that its progress (the first token) is seen; only the final one is
+        passed on."""
         from vllm.sampling_params import RequestOutputKind
 
         capture = _CAPTURE.get()
-        final_only = capture is not None and getattr(sampling_params, "output_kind", None) == RequestOutputKind.FINAL_ONLY
+        # n > 1 stays FINAL_ONLY: only then does vLLM gather the n choices into its final output.
+        final_only = (capture is not None and getattr(sampling_params, "n", 1) == 1
+                      and getattr(sampling_params, "output_kind", None) == RequestOutputKind.FINAL_ONLY)
         if final_only:
             sampling_params.output_kind = RequestOutputKind.CUMULATIVE
         if capture is not None and capture.extra_args:  # the router's decision, over the caller's vllm_xargs

@@ -68,6 +68,15 @@ def test_a_final_only_call_is_watched_step_by_step_and_gets_only_the_final_outpu
     assert capture.take_first_choice() == [7, 8, 9] and capture.take_first_choice() == []
 
 
+def test_a_final_only_call_of_several_choices_stays_final_only():
+    """vLLM gathers the n choices into its final output only under FINAL_ONLY (with CUMULATIVE each
+    output is one child's, and the serving layer keeps the last: one choice of n)."""
+    engine, capture = Engine(), Capture()
+    params = SamplingParams(max_tokens=3, n=2, temperature=0.5, output_kind=RequestOutputKind.FINAL_ONLY)
+    outs = run(engine, params, capture)
+    assert engine.params[0].output_kind == RequestOutputKind.FINAL_ONLY and len(outs) == 1
+
+
 def test_a_streamed_call_passes_every_delta_on():
     engine, capture = Engine(), Capture()
     outs = run(engine, SamplingParams(max_tokens=3, output_kind=RequestOutputKind.DELTA), capture)

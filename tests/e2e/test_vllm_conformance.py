@@ -17,6 +17,7 @@ import httpx
 import pytest
 from pydantic import BaseModel
 
+from cluster.api.grpc_openai import StreamReader
 from cluster.bench import anchors as A
 from cluster.config import load_config
 from tests.paths import LOCAL_CPU
@@ -304,3 +305,122 @@ def test_constrained_output_is_the_same_with_every_mode_and_k(cluster, fmt):
                                                   for t in msg.get("tool_calls") or []], a["specserve"]["token_ids"])
         assert a["specserve"]["workload_class"] == "structured"
     assert len(set(map(repr, answers.values()))) == 1, answers
+
+
+# -- gRPC: the same path, the same answers ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def grpc_stub(cluster):
+    import grpc
+
+    from specserve.v1 import specserve_pb2_grpc as pb_grpc
+
+    channel = grpc.insecure_channel(cluster.grpc_target)
+    grpc.channel_ready_future(channel).result(timeout=30)
+    yield pb_grpc.SpecServeStub(channel)
+    channel.close()
+
+
+def _pb():
+    from specserve.v1 import specserve_pb2 as pb
+
+    return pb
+
+
+def _grpc_chat(messages, **fields):
+    pb = _pb()
+    sampling = fields.pop("sampling", {})
+    return pb.GenerateRequest(model=MODEL, messages=[pb.ChatMessage(**m) for m in messages],
+                              sampling=pb.SamplingParams(temperature=0, **sampling), **fields)
+
+
+def _stock(stock, body):
+    r = httpx.post(stock + ("/v1/chat/completions" if "messages" in body else "/v1/completions"),
+                   json={"model": MODEL, "temperature": 0, **body}, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_grpc_json_schema_tools_and_penalties_give_vllms_answer(grpc_stub, stock):
+    pb = _pb()
+    schema = _grpc_chat([{"role": "user", "content": "Invent a person."}], sampling={"max_tokens": 40},
+                        response_format=pb.ResponseFormat(type="json_schema", json_schema=json.dumps(PERSON),
+                                                          name="person"))
+    ours = grpc_stub.Generate(schema, timeout=300)
+    theirs = _stock(stock, {"messages": [{"role": "user", "content": "Invent a person."}], "max_tokens": 40,
+                            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}})
+    assert ours.text == theirs["choices"][0]["message"]["content"] and set(json.loads(ours.text)) == {"name", "age"}
+    assert ours.spec.workload_class == "structured"
+    tool = pb.Tool(name="get_weather", description="The weather in a city",
+                   parameters_json=json.dumps(TOOLS[0]["function"]["parameters"]))
+    for choice in ("required", "get_weather"):
+        req = _grpc_chat(WEATHER, sampling={"max_tokens": 80}, tools=[tool], tool_choice=choice)
+        ours = grpc_stub.Generate(req, timeout=300)
+        theirs = _stock(stock, {"messages": WEATHER, "max_tokens": 80, "tools": TOOLS, "tool_choice": choice if
+                                choice == "required" else {"type": "function", "function": {"name": choice}}})
+        want = [(c["function"]["name"], c["function"]["arguments"]) for c in theirs["choices"][0]["message"]["tool_calls"]]
+        assert [(c.name, c.arguments_json) for c in ours.tool_calls] == want and want
+        streamed = list(grpc_stub.GenerateStream(req, timeout=300))
+        stock_stream = httpx.post(stock + "/v1/chat/completions", timeout=300, json={
+            "model": MODEL, "temperature": 0, "messages": WEATHER, "max_tokens": 80, "tools": TOOLS, "stream": True,
+            "tool_choice": choice if choice == "required" else {"type": "function", "function": {"name": choice}}})
+        reader = StreamReader()  # vLLM streams the arguments as generated, unstreamed it re-serializes them
+        reader.read(stock_stream.text)
+        assert [(c.name, c.arguments_json) for c in streamed[-1].tool_calls] == \
+               [(c["name"], c["arguments_json"]) for c in reader.tool_calls]
+        assert [json.loads(c.arguments_json) for c in streamed[-1].tool_calls] == [json.loads(a) for _, a in want]
+    sampling = {"max_tokens": 24, "presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 1.3,
+                "stop_token_ids": [28], "min_tokens": 3}
+    ours = grpc_stub.Generate(_grpc_chat(MSG, sampling=sampling), timeout=300)
+    theirs = _stock(stock, {"messages": MSG, **sampling})
+    assert ours.text == theirs["choices"][0]["message"]["content"]
+    assert ours.finish_reason == theirs["choices"][0]["finish_reason"]
+    assert ours.completion_tokens == theirs["usage"]["completion_tokens"]
+
+
+def test_grpc_logprobs_and_n_give_vllms_answer(cluster, grpc_stub, stock):
+    pb = _pb()
+    ours = grpc_stub.Generate(pb.GenerateRequest(model=MODEL, prompt="One, two, three,", sampling=pb.SamplingParams(
+        temperature=0, max_tokens=4, logprobs=2)), timeout=300)
+    theirs = _stock(stock, {"prompt": "One, two, three,", "max_tokens": 4, "logprobs": 2,
+                            "return_tokens_as_token_ids": True, "return_token_ids": True})
+    want = theirs["choices"][0]
+    assert ours.text == want["text"] and list(ours.token_ids) == want["token_ids"]
+    assert [t.token_id for t in ours.logprobs] == [int(t.split(":")[1]) for t in want["logprobs"]["tokens"]]
+    for t, p, top in zip(ours.logprobs, want["logprobs"]["token_logprobs"], want["logprobs"]["top_logprobs"]):
+        assert math.isclose(t.logprob, p, abs_tol=LOGPROB_TOL)
+        assert {c.token_id for c in t.top} == {int(k.split(":")[1]) for k in top}
+    # n = 2 samples (vLLM refuses n > 1 greedy): a seed fixes them, so gRPC and HTTP give the same two
+    two = grpc_stub.Generate(pb.GenerateRequest(model=MODEL, prompt="One, two, three,", sampling=pb.SamplingParams(
+        temperature=0.8, seed=5, max_tokens=6, n=2)), timeout=300)
+    http = httpx.post(cluster.http_url + "/v1/completions", timeout=300, json={
+        "model": MODEL, "prompt": "One, two, three,", "temperature": 0.8, "seed": 5, "max_tokens": 6, "n": 2}).json()
+    assert len(http["choices"]) == 2 and [c.text for c in two.choices] == [c["text"] for c in http["choices"]]
+    assert two.text == two.choices[0].text and two.completion_tokens == http["usage"]["completion_tokens"]
+    chat = grpc_stub.Generate(_grpc_chat(MSG, sampling={"max_tokens": 6, "logprobs": 3}), timeout=300)
+    theirs = _stock(stock, {"messages": MSG, "max_tokens": 6, "logprobs": True, "top_logprobs": 3,
+                            "return_tokens_as_token_ids": True})
+    want = theirs["choices"][0]["logprobs"]["content"]
+    assert [t.token_id for t in chat.logprobs] == [int(t["token"].split(":")[1]) for t in want]
+    assert all(len(t.top) == 3 for t in chat.logprobs)
+    streamed = list(grpc_stub.GenerateStream(_grpc_chat(MSG, sampling={"max_tokens": 6, "logprobs": 3}), timeout=300))
+    assert [t.token_id for m in streamed for t in m.logprobs] == [t.token_id for t in chat.logprobs]
+    assert "".join(m.text for m in streamed) == chat.text
+
+
+def test_grpc_passes_vllms_own_errors(grpc_stub, stock):
+    import grpc
+
+    pb = _pb()
+    tool = pb.Tool(name="get_weather", parameters_json="{}")
+    with pytest.raises(grpc.RpcError) as e:
+        grpc_stub.Generate(_grpc_chat(WEATHER, tools=[tool], tool_choice="no_such_tool"), timeout=300)
+    theirs = httpx.post(stock + "/v1/chat/completions", json={
+        "model": MODEL, "messages": WEATHER, "tools": [{"type": "function", "function": {"name": "get_weather",
+                                                                                          "parameters": {}}}],
+        "tool_choice": {"type": "function", "function": {"name": "no_such_tool"}}}, timeout=300)
+    assert theirs.status_code == 400
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == theirs.json()["error"]["message"]
+    with pytest.raises(grpc.RpcError) as e:
+        list(grpc_stub.GenerateStream(_grpc_chat(MSG, sampling={"n": 2}), timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.n" in e.value.details()

@@ -82,6 +82,7 @@ def test_sampled_output_with_speculation_follows_plain_decoding(cluster):
         assert all(r.spec.mode == spec["mode"] for r in results)
         assert 0 < accepted < drafted, f"{spec}: drafts must be both accepted and rejected ({accepted}/{drafted})"
         p = permutation_p(base, [tuple(r.token_ids) for r in results])
+        print(f"{spec}: permutation p = {p:.3f}, {accepted}/{drafted} drafts accepted")  # BENCHMARKS.md 1
         assert p > P_MIN, (f"{spec}: sampled answers differ from plain decoding's (p = {p:.4f}); "
                             f"plain {[r.text for r in plain[:4]]}, speculative {[r.text for r in results[:4]]}")
 

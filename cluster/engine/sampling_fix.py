@@ -22,6 +22,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from cluster.engine import keyed_sampling, plain_params
+
 ENV = "SPECSERVE_SAMPLING_FIX"
 KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 
@@ -65,8 +67,6 @@ def register() -> None:
     if os.environ.get(ENV) == "1":
         from vllm.platforms import current_platform
 
-        from cluster.engine import plain_params
-
         plain_params.install_validation()
         wrap(type(current_platform))
 
@@ -74,8 +74,6 @@ def register() -> None:
 def install_worker_hooks() -> None:
     """In a worker: seeded sampling keyed by position (`cluster.engine.keyed_sampling`) and the
     built-in logits processors under speculation (`cluster.engine.plain_params`)."""
-    from cluster.engine import keyed_sampling, plain_params
-
     keyed_sampling.install()
     plain_params.install_logitsprocs()
 

@@ -326,15 +326,6 @@ class Router(HttpDoor, GrpcDoor):
             log.warning("recording stats of %s (pool %s, mode %s, k %d) failed", comp.request_id, d.pool,
                         d.mode.value, d.k, exc_info=True)
 
-    async def complete(self, req: GenerateRequest, client: str = "unknown", deadline_s: Optional[float] = None,
-                       ) -> Completion:
-        comp = None
-        async with aclosing(self._stream(req, streamed=False, client=client, deadline_s=deadline_s)) as stream:
-            async for _, comp in stream:
-                pass
-        assert comp is not None
-        return comp
-
     def models_json(self) -> dict[str, Any]:
         data = []
         for m in self.served:

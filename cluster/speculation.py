@@ -42,8 +42,8 @@ EXTRA_ARGS_K_STEP = "specserve_k_step"
 # `cluster.engine.lookup_proposer`); absent: the pool's method.
 EXTRA_ARGS_MODE = "specserve_mode"
 
-# vLLM's epsilon: a min_p at or below it is off.
-_SAMPLING_EPS = 1e-5
+# vLLM's sampling epsilon: a min_p at or below it is off, a temperature below it is greedy.
+SAMPLING_EPS = 1e-5
 
 
 def plain_field(body: Any) -> Optional[str]:
@@ -63,7 +63,7 @@ def plain_field(body: Any) -> Optional[str]:
         min_p = float(get("min_p") or 0)
     except (TypeError, ValueError):
         return None
-    return "min_p" if min_p > _SAMPLING_EPS else None
+    return "min_p" if min_p > SAMPLING_EPS else None
 
 
 # Accepted runs longer than this are counted as this long (`accepted_runs`); 4 x the largest K

@@ -3,7 +3,7 @@ Ray Serve's gRPC proxy calls on the router replica by method name (with a `RaySe
 Generations go through vLLM's serving layer in the engine replica, as HTTP ones do
 (`cluster.api.grpc_openai` maps the messages).
 
-A mixin of `deployments.router.Router`: the methods read the router's state (`complete`, `_stream`,
+A mixin of `deployments.router.Router`: the methods read the router's state (`_stream`,
 `tuning`, `served`, `engines`, `auth`) and map every `ApiError` to a gRPC status with its details.
 """
 

@@ -29,8 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from cluster.speculation import SAMPLING_EPS
+
 MASK64 = (1 << 64) - 1
-_SAMPLING_EPS = 1e-5  # vLLM's: a temperature below this is greedy
 
 
 def noise_key(seed: int, position: int) -> int:
@@ -105,7 +106,7 @@ def reverify_rows(output: Any, draft_ids: list[int], target_probs_of: Callable[[
     those draft rows; `bonus[row]`: the row's keyed bonus token."""
     start = 0
     for row, n in enumerate(step.drafts):
-        if n and row in step.rows and float(temperature[row]) >= _SAMPLING_EPS:
+        if n and row in step.rows and float(temperature[row]) >= SAMPLING_EPS:
             seed, base = step.rows[row]
             probs = target_probs_of(start, n)
             emitted = verify(draft_ids[start:start + n],

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import grpc
 import httpx
 
 DEV_SET = Path("/work/shared/data/specbench-dev.jsonl")
@@ -113,3 +114,16 @@ async def engine_idle(url: str, pool: str, timeout_s: float = 60.0) -> None:
                 return
             assert loop.time() < deadline, f"{pool}'s engine still runs requests: {entry}"
             await asyncio.sleep(0.25)
+
+
+@contextlib.contextmanager
+def specserve_stub(target: str):
+    """A `specserve.v1.SpecServe` stub on a plaintext channel to `target`, ready, closed after."""
+    from specserve.v1 import specserve_pb2_grpc as pb_grpc
+
+    channel = grpc.insecure_channel(target)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=30)
+        yield pb_grpc.SpecServeStub(channel)
+    finally:
+        channel.close()

@@ -10,18 +10,15 @@ import httpx
 import pytest
 
 from specserve.v1 import specserve_pb2 as pb
-from specserve.v1 import specserve_pb2_grpc as pb_grpc
-from tests.e2e.helpers import engine_idle
+from tests.e2e.helpers import engine_idle, specserve_stub
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def stub(cluster):
-    channel = grpc.insecure_channel(cluster.grpc_target)
-    grpc.channel_ready_future(channel).result(timeout=30)
-    yield pb_grpc.SpecServeStub(channel)
-    channel.close()
+    with specserve_stub(cluster.grpc_target) as s:
+        yield s
 
 
 def _req(text="Name three fruits.", max_tokens=16, mode=None, k=None, **kw):

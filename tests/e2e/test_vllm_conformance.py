@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 
+import grpc
 import httpx
 import pytest
 from pydantic import BaseModel
@@ -20,6 +21,8 @@ from pydantic import BaseModel
 from cluster.api.grpc_openai import StreamReader
 from cluster.bench import anchors as A
 from cluster.config import load_config
+from specserve.v1 import specserve_pb2 as pb
+from tests.e2e.helpers import specserve_stub
 from tests.paths import LOCAL_CPU
 
 pytestmark = pytest.mark.engine
@@ -311,24 +314,11 @@ def test_constrained_output_is_the_same_with_every_mode_and_k(cluster, fmt):
 
 @pytest.fixture(scope="module")
 def grpc_stub(cluster):
-    import grpc
-
-    from specserve.v1 import specserve_pb2_grpc as pb_grpc
-
-    channel = grpc.insecure_channel(cluster.grpc_target)
-    grpc.channel_ready_future(channel).result(timeout=30)
-    yield pb_grpc.SpecServeStub(channel)
-    channel.close()
-
-
-def _pb():
-    from specserve.v1 import specserve_pb2 as pb
-
-    return pb
+    with specserve_stub(cluster.grpc_target) as s:
+        yield s
 
 
 def _grpc_chat(messages, **fields):
-    pb = _pb()
     sampling = fields.pop("sampling", {})
     return pb.GenerateRequest(model=MODEL, messages=[pb.ChatMessage(**m) for m in messages],
                               sampling=pb.SamplingParams(temperature=0, **sampling), **fields)
@@ -342,7 +332,6 @@ def _stock(stock, body):
 
 
 def test_grpc_json_schema_tools_and_penalties_give_vllms_answer(grpc_stub, stock):
-    pb = _pb()
     schema = _grpc_chat([{"role": "user", "content": "Invent a person."}], sampling={"max_tokens": 40},
                         response_format=pb.ResponseFormat(type="json_schema", json_schema=json.dumps(PERSON),
                                                           name="person"))
@@ -379,7 +368,6 @@ def test_grpc_json_schema_tools_and_penalties_give_vllms_answer(grpc_stub, stock
 
 
 def test_grpc_logprobs_and_n_give_vllms_answer(cluster, grpc_stub, stock):
-    pb = _pb()
     ours = grpc_stub.Generate(pb.GenerateRequest(model=MODEL, prompt="One, two, three,", sampling=pb.SamplingParams(
         temperature=0, max_tokens=4, logprobs=2)), timeout=300)
     theirs = _stock(stock, {"prompt": "One, two, three,", "max_tokens": 4, "logprobs": 2,
@@ -409,9 +397,6 @@ def test_grpc_logprobs_and_n_give_vllms_answer(cluster, grpc_stub, stock):
 
 
 def test_grpc_passes_vllms_own_errors(grpc_stub, stock):
-    import grpc
-
-    pb = _pb()
     tool = pb.Tool(name="get_weather", parameters_json="{}")
     with pytest.raises(grpc.RpcError) as e:
         grpc_stub.Generate(_grpc_chat(WEATHER, tools=[tool], tool_choice="no_such_tool"), timeout=300)

@@ -3,7 +3,7 @@ pydantic models that `cluster.config.ClusterConfig` assembles with the models an
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -79,10 +79,11 @@ class RouterConfig(Strict):
             "Requests one router replica admits at once. Unset: what its pools admit together (each pool's "
             "max_ongoing_requests times its most replicas, plus max_queued_requests) and 64 for status and "
             "model calls (`ClusterConfig.router_max_ongoing`), so a full pool answers 429 at once; set lower, "
-            "the router is the gate and excess requests wait at the proxies (max_queued_requests) instead."))
+            "the router is the gate and excess requests wait at its door (max_queued_requests) instead."))
     max_queued_requests: int = Field(
-        512, ge=-1, description="Requests queued at the proxies for the router before they answer 503 (-1: no bound)."
-    )
+        512, ge=-1, description=(
+            "Requests waiting for a place at a router replica (at its door, or with api.door ray_proxy at the "
+            "proxies) before they are answered 503 / UNAVAILABLE (-1: no bound)."))
     request_timeout_s: float = Field(
         120.0, gt=0, description=(
             "End-to-end bound of one request at the router, from its arrival (an HTTP body read included) to its "
@@ -165,8 +166,9 @@ class TlsConfig(Strict):
         None, description="gRPC mTLS: callers must present a certificate signed by this CA (not possible on HTTP "
                           "with Ray Serve 2.60).")
     grpc_tls_port: int = Field(
-        9443, ge=1, le=65535, description="TLS gRPC port; it forwards to Ray's plaintext gRPC port (api.grpc_port), "
-                                          "which must then be closed to the network.")
+        9443, ge=1, le=65535, description=(
+            "api.door ray_proxy only: the TLS gRPC port, forwarding to Ray's plaintext gRPC port (api.grpc_port), "
+            "which must then be closed to the network. With the router's door, api.grpc_port itself speaks TLS."))
 
     @model_validator(mode="after")
     def _pair(self) -> "TlsConfig":
@@ -228,6 +230,16 @@ class LimitsConfig(Strict):
         256 << 10, ge=1, description=(
             "Largest prompt in characters: `prompt`, or all `messages` contents together; more gets HTTP 413 / "
             "gRPC INVALID_ARGUMENT. (Each prompt or message is also at most 256 Ki characters.)"))
+    body_read_timeout_s: float = Field(
+        30.0, gt=0, description=(
+            "HTTP, the router's door: a request's body must be all there within this many seconds of its headers; "
+            "past it the request gets 408 and its connection is closed (a client holding connections open with a "
+            "trickle of body). The whole request is also bounded by router.request_timeout_s."))
+    max_connections_per_client: int = Field(
+        512, ge=0, description=(
+            "HTTP, the router's door: open connections one client address may hold at one router replica; one "
+            "more is answered 429 with Retry-After and closed at once (0: no bound). Behind a load balancer that "
+            "does not keep client addresses every connection comes from it: raise this, or set 0."))
     grpc_max_message_bytes: int = Field(
         8 << 20, ge=1024, le=(1 << 31) - 1, description=(
             "gRPC: largest message either way; a larger one gets RESOURCE_EXHAUSTED from grpc before any of our "
@@ -237,7 +249,12 @@ class LimitsConfig(Strict):
 
 
 class ApiConfig(Strict):
-    host: str = Field("127.0.0.1", description="Address the HTTP and gRPC proxies listen on.")
+    host: str = Field("127.0.0.1", description="Address the HTTP and gRPC doors listen on.")
+    door: Literal["router", "ray_proxy"] = Field(
+        "router", description=(
+            "Who listens: `router`, each router replica itself (uvicorn and grpc.aio on host, sharing the ports, "
+            "TLS natively; one hop fewer before the first token), or `ray_proxy`, Ray Serve's HTTP and gRPC proxies "
+            "(a proxy on every node, as the KubeRay manifests run it; gRPC TLS through a forwarder on tls.grpc_tls_port)."))
     http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
     grpc_port: int = Field(9000, ge=0, le=65535, description="gRPC port (0 disables gRPC).")
     tls: TlsConfig = Field(default_factory=TlsConfig, description="TLS of the HTTP and gRPC endpoints.")

@@ -26,6 +26,7 @@ from deployments.drafter import DrafterServer
 from deployments.engine import EngineServer, engine_kwargs, start_vllm, within_startup_timeout
 from deployments.engine_death import retire_process
 from deployments.router import Router
+from deployments.router_door import DOOR_DRAIN_S, Doors
 from deployments.vllm_openai import build_openai_app, server_args
 
 log = logging.getLogger("specserve.app")
@@ -71,9 +72,10 @@ class DrafterReplica(DrafterServer):
 
 
 class RouterReplica(Router):
-    """Router with its I/O dependencies (tuning store in Redis, classifier) built in the replica."""
+    """Router with its I/O dependencies (tuning store in Redis, classifier) built in the replica, and
+    with `api.door: router`, the API's listeners (deployments/router_door.py)."""
 
-    def __init__(self, config: ClusterConfig, engines: dict[str, Any]):
+    async def __init__(self, config: ClusterConfig, engines: dict[str, Any]):
         logsafe.setup_replica_logging()
         auth = ApiKeyStore.from_config(config.auth) if config.auth.enabled else None
         metrics = RouterMetrics()
@@ -82,6 +84,15 @@ class RouterReplica(Router):
                          classifier=_make_classifier(), auth=auth, metrics=metrics,
                          autoscale=_make_autoscale(config, on_malformed=lambda pool: metrics.failure(
                              "autoscale_record", "malformed")))
+        self.doors = None
+        if config.api.door == "router":
+            self.doors = await Doors(self, config, on_refused=lambda reason: metrics.door_refused.inc(
+                1, {"reason": reason})).open()
+
+    async def __del__(self):
+        """Serve's graceful stop: the listeners close, calls under way get DOOR_DRAIN_S to end."""
+        if getattr(self, "doors", None) is not None:
+            await self.doors.close(DOOR_DRAIN_S)
 
 
 def _make_autoscale(config: ClusterConfig, **kwargs):

@@ -154,6 +154,17 @@ class GrpcDoor:
                                                          field="service"))
         return health_pb2.HealthCheckResponse(status=status)
 
+    async def List(self, request, grpc_context=None):
+        if not self.health_open:
+            self._authenticate_grpc(grpc_context)
+        self._decoded(request, grpc_context)
+        from grpc_health.v1 import health_pb2
+
+        out = health_pb2.HealthListResponse()
+        for service in ("", "specserve.v1.SpecServe"):
+            out.statuses[service].status = self._health_status(service)
+        return out
+
     async def Watch(self, request, grpc_context=None):
         if not self.health_open:
             self._authenticate_grpc(grpc_context)

@@ -61,6 +61,9 @@ def deep_merge(base: Any, override: Any) -> Any:
 def effective_config(raw: dict[str, Any], overrides: dict[str, Any], origin: str) -> tuple[dict, ClusterConfig]:
     """The raw cluster config with the overlay's overrides, and its validated model."""
     merged = deep_merge(raw, overrides)
+    # The manifests run Ray Serve's proxy on every node, behind the Services: the router replicas
+    # must not listen on the same ports themselves (api.door router is `specserve up`'s).
+    merged = deep_merge(merged, {"api": {"door": "ray_proxy"}})
     return merged, parse_config(merged, origin=origin)
 
 

@@ -49,6 +49,11 @@ class RouterMetrics:
             "specserve_router_failures",
             "Failures off the request path, by what failed (load_poll, get_tuning, autoscale_record) and error type.",
             tag_keys=("what", "kind"))
+        self.door_refused = Counter(
+            "specserve_door_refused",
+            "Calls and connections the router's own doors turned away, by reason: busy (every place taken: 503), "
+            "body_timeout (api.limits.body_read_timeout_s: 408), per_client (api.limits.max_connections_per_client: "
+            "429).", tag_keys=("reason",))
 
     def observe(self, decision: Any, stats: Optional[dict], status: str = "ok") -> None:
         tags = {"workload_class": decision.workload_class, "mode": decision.mode.value, "pool": decision.pool,

@@ -31,10 +31,19 @@ GRPC_SERVICER_FUNCTIONS = [
 GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
 
 
+# Ray Serve runs a replica's methods on an event loop in a thread of their own by default, and its
+# handles' routing on yet another loop: every call then crosses threads twice in the caller and twice
+# in the callee. Run both on the replica's main loop (the settings of Serve's throughput-optimized
+# mode, without the rest of it): a router-to-engine call took 4 ms fewer at p50 on 2 cores. The
+# methods of specserve's deployments do not block their loop (blocking work goes to threads).
+SERVE_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+
+
 def ray_node_env(config: ClusterConfig) -> dict[str, str]:
     """Environment of every Ray node (so of every worker, Serve's proxies included) that the
-    config asks for: the gRPC proxy's message-size bound (api.limits.grpc_max_message_bytes)."""
-    return {GRPC_MAX_MESSAGE_ENV: str(config.api.limits.grpc_max_message_bytes)}
+    config asks for: the gRPC proxy's message-size bound (api.limits.grpc_max_message_bytes) and
+    Serve's replicas on one event loop (SERVE_LOOP_ENV)."""
+    return {GRPC_MAX_MESSAGE_ENV: str(config.api.limits.grpc_max_message_bytes), **SERVE_LOOP_ENV}
 
 
 # Ray 2.60 turns a loopback `_node_ip_address` into this machine's routable address

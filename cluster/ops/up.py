@@ -83,15 +83,21 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
         http_tls = {}
         if tls.enabled:
             http_tls = http_tls_options(tls.certfile, tls.keyfile)  # fails here on a bad certificate or key
+            if tls.client_ca_file:
+                grpc_server_credentials(tls.certfile, tls.keyfile, tls.client_ca_file)  # and on a bad CA file
         grpc = None
         timeout_s = proxy_timeout_s(config.router.request_timeout_s)  # the proxies' backstop to the router's deadline
-        if config.api.grpc_port:
+        if config.api.grpc_port and config.api.door == "ray_proxy":
             grpc = gRPCOptions(port=config.api.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS,
                                enable_reflection=grpc_reflection(config), request_timeout_s=timeout_s)
-        # One machine: the proxies of every node would bind the same ports, so a local cluster runs
-        # them on the head only (a joined cluster keeps Serve's default, a proxy per node with replicas).
-        serve.start(proxy_location="HeadOnly" if local else None, http_options=HTTPOptions(host=config.api.host, port=config.api.http_port, request_timeout_s=timeout_s,
-                                             **http_tls), grpc_options=grpc)
+        if config.api.door == "router":  # the router replicas listen themselves (deployments/router_door.py)
+            serve.start(proxy_location="Disabled")
+        else:
+            # One machine: the proxies of every node would bind the same ports, so a local cluster runs
+            # them on the head only (a joined cluster keeps Serve's default, a proxy per node with replicas).
+            serve.start(proxy_location="HeadOnly" if local else None,
+                        http_options=HTTPOptions(host=config.api.host, port=config.api.http_port,
+                                                 request_timeout_s=timeout_s, **http_tls), grpc_options=grpc)
         if grpc is not None and tls.enabled:  # Ray's gRPC proxy has no TLS: a TLS listener in front of it
             forwarder = GrpcTlsForwarder(f"{config.api.host}:{tls.grpc_tls_port}", f"127.0.0.1:{config.api.grpc_port}",
                                          grpc_server_credentials(tls.certfile, tls.keyfile, tls.client_ca_file),
@@ -104,7 +110,8 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
         serve_api._run(build_app({"config_path": config_path}), _blocking=False, name=config.name, route_prefix="/")
         _wait_ready(config, wait_s)
         scheme = "https" if tls.enabled else "http"
-        grpc_at = f"{config.api.host}:{tls.grpc_tls_port} (TLS)" if forwarder else f"{config.api.host}:{config.api.grpc_port}"
+        grpc_at = f"{config.api.host}:{tls.grpc_tls_port if forwarder else config.api.grpc_port}"
+        grpc_at += " (TLS)" if tls.enabled else ""
         print(f"[specserve] serving in {time.monotonic() - t0:.0f} s: HTTP {scheme}://{config.api.host}:{config.api.http_port}"
               + (f"  gRPC {grpc_at}" if config.api.grpc_port else ""))
     except BaseException:  # a failed or interrupted start-up stops what it started

@@ -93,6 +93,8 @@ def _session_overrides(raw: dict) -> None:
     # lossless test's 7 x 16 concurrent requests on the ngram pool and 4 x 16 on the draft pool).
     raw["pools"]["ngram"].update(max_ongoing_requests=32, max_queued_requests=112)
     raw["pools"]["draft"].update(max_ongoing_requests=32, max_queued_requests=64)
+    # The slow-body probe waits the body deadline out: shorter than the default 30 s.
+    raw["api"].setdefault("limits", {})["body_read_timeout_s"] = 10
 
 
 @pytest.fixture(scope="session")

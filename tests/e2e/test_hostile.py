@@ -13,10 +13,13 @@ behaviour (issue 31, items 2, 3, 4, 5, 6, 8 and 10):
 - a burst of requests that would poison the tuner (the caller's K on text that rejects, ignore_eos,
   temperature 2.0, a caller's class the classifier disagrees with) leaves GetTuning's cells of the
   class unchanged, while one ordinary request of the class moves them;
-- a request whose caller gives up (a gRPC deadline, Ray's `x-request-timeout-seconds` header) is
-  aborted in vLLM: the engine's unfinished count falls back at once, not when the text would end;
-- throughout, the router replica and the proxy stay within MEMORY_BOUND_MIB of resident memory
-  growth (measured with psutil when the cluster runs on this machine).
+- a request whose caller gives up (a gRPC deadline, an HTTP client that hangs up) is aborted in
+  vLLM: the engine's unfinished count falls back at once, not when the text would end;
+- 300 connections that sent their headers and one byte of a 100 kB body are answered 408 and closed
+  at api.limits.body_read_timeout_s, while a whole request still goes through;
+- throughout, the router replica (and Ray's proxy, with api.door ray_proxy) stay within
+  MEMORY_BOUND_MIB of resident memory growth (measured with psutil; a cluster this test started
+  must be found on this machine).
 
 Item 1 (the drafter wire) needs a cluster with a drafter deployment: its probes against the live
 drafter are in tests/e2e/test_remote_drafter.py (`test_hostile_clients_neither_use_nor_stop_the_drafter`).
@@ -70,13 +73,13 @@ def stub(channel):
 
 def _processes(app: str) -> dict[str, object]:
     """The router replica of application `app`, and the proxy when this machine runs one Ray
-    cluster only, found by Ray's process titles (`ray::ServeReplica:<app>:RouterReplica...`)."""
+    cluster only, found by Ray's process titles (`ray::ServeReplica:<app>:router`)."""
     import psutil
 
     routers, proxies = [], []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if cmd.startswith(f"ray::ServeReplica:{app}:RouterReplica"):
+        if cmd.startswith(f"ray::ServeReplica:{app}:router"):
             routers.append(p)
         elif cmd.startswith("ray::ProxyActor"):
             proxies.append(p)
@@ -91,6 +94,7 @@ def _rss_mib(procs: dict) -> dict[str, float]:
 def memory_bound(cluster):
     """Resident memory of the router replica and the proxy before and after every probe here."""
     procs = _processes(cluster.raw["name"])
+    assert procs or cluster.proc is None, "the router replica of the cluster this test started is not found"
     before = _rss_mib(procs)
     yield
     if not procs:
@@ -337,16 +341,59 @@ def test_a_grpc_deadline_aborts_the_request_in_vllm(cluster, stub):
         assert _wait_idle(cluster.http_url, 25) < 25
 
 
-def test_an_http_request_timeout_header_aborts_the_request_in_vllm(cluster):
+def test_an_http_client_that_hangs_up_aborts_the_request_in_vllm(cluster):
     _wait_idle(cluster.http_url, 120)
     body = {"prompt": LONG["prompt"], "max_tokens": LONG["max_tokens"], "ignore_eos": True,
             "specserve": {"speculative": LONG["speculative"]}}
     t0 = time.monotonic()
-    r = httpx.post(f"{cluster.http_url}/v1/completions", json=body, timeout=60,
-                   headers={"x-request-timeout-seconds": "2"})  # Ray's proxy reads it (Ray Serve 2.60)
-    assert r.status_code == 408, r.text
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 2 s and closes its connection
+        httpx.post(f"{cluster.http_url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=2))
     assert time.monotonic() - t0 < 10
     assert _wait_idle(cluster.http_url, 25) < 25
+
+
+def test_half_open_bodies_are_closed_at_the_deadline_and_hold_no_place(cluster):
+    """The slow-body probe: 300 connections send headers and 1 byte of a 100 kB body. A whole
+    request sent meanwhile is served; every half-open one is answered 408 naming the body and
+    closed within api.limits.body_read_timeout_s (+ 5 s); the router's memory stays flat
+    (the module's bound)."""
+    import asyncio
+
+    limits = parse_config(cluster.raw).api.limits
+    if parse_config(cluster.raw).api.door != "router":
+        pytest.skip("the body deadline is the router door's (api.door ray_proxy: Ray's proxy reads bodies)")
+    port = cluster.raw["api"]["http_port"]
+
+    async def probe():
+        held = []
+        for _ in range(300):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: 100000\r\n\r\n{")
+            held.append((reader, writer))
+        await asyncio.gather(*(w.drain() for _, w in held))
+        t0 = time.monotonic()
+        async with httpx.AsyncClient(timeout=120) as client:
+            r = await client.post(f"{cluster.http_url}/v1/chat/completions",
+                                  json={"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2})
+        whole_s = time.monotonic() - t0
+
+        async def closed(reader):
+            answer = await reader.read()  # to EOF
+            return answer, time.monotonic() - t0
+        answers = await asyncio.wait_for(asyncio.gather(*(closed(r) for r, _ in held)),
+                                         limits.body_read_timeout_s + 30)
+        for _, w in held:
+            w.close()
+        return r, whole_s, answers
+
+    r, whole_s, answers = asyncio.run(probe())
+    assert r.status_code == 200 and whole_s < limits.body_read_timeout_s, (r.text, whole_s)
+    closed_s = sorted(dt for _, dt in answers)
+    print(f"[hostile] half-open bodies: a whole request in {whole_s:.2f} s; 300 closed after "
+          f"{closed_s[0]:.1f}-{closed_s[-1]:.1f} s (deadline {limits.body_read_timeout_s:g} s)")
+    assert all(a.startswith(b"HTTP/1.1 408") and b"body_read_timeout_s" in a for a, _ in answers), answers[0][0][:200]
+    assert closed_s[-1] < limits.body_read_timeout_s + 5
 
 
 def test_requests_past_the_routers_deadline_are_504_and_aborted(cluster):

@@ -1,9 +1,8 @@
-"""Issue 10 on a real cluster with API keys and TLS on: no key, a wrong key and a revoked key are
-refused on HTTP (401) and gRPC (UNAUTHENTICATED); a valid key works; HTTPS and gRPC over TLS work
-with a certificate made by the test (and fail against another CA); health stays open. The gRPC
-TLS port runs as mTLS for in-cluster callers (`api.tls.client_ca_file`): a client certificate
-from that CA is required (HTTPS cannot require one: Ray does not pass ssl_cert_reqs to uvicorn,
-see cluster/tls.py)."""
+"""API keys and TLS on a real cluster: no key, a wrong key and a revoked key are refused on HTTP
+(401) and gRPC (UNAUTHENTICATED); a valid key works; HTTPS and gRPC over TLS work with a
+certificate made by the test (and fail against another CA); health stays open. The router's own
+gRPC door speaks TLS on api.grpc_port, as mTLS for in-cluster callers (`api.tls.client_ca_file`):
+a client certificate from that CA is required, and nothing answers plaintext there."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import pytest
 from cluster.tls import make_test_ca_and_cert
 from specserve.v1 import specserve_pb2 as pb
 from specserve.v1 import specserve_pb2_grpc as pb_grpc
-from tests.e2e.conftest import _free_port, launch_cluster
+from tests.e2e.conftest import launch_cluster
 
 pytestmark = pytest.mark.engine
 
@@ -34,7 +33,7 @@ def secure(tmp_path_factory):
     def mutate(raw):
         raw["auth"] = {"enabled": True, "api_keys_file": str(keys), "reload_interval_s": 0.5}
         raw["api"]["tls"] = {"certfile": str(pki.server_cert), "keyfile": str(pki.server_key),
-                             "client_ca_file": str(pki.ca_cert), "grpc_tls_port": _free_port()}
+                             "client_ca_file": str(pki.ca_cert)}
         raw["pools"] = {"ngram": raw["pools"]["ngram"]}  # one engine is enough here
         raw["pools"]["ngram"]["max_k"] = 2
 
@@ -53,7 +52,7 @@ def _chat(c, pki, key):
 
 
 def _grpc_stub(c, pki, client_cert=True):
-    port = c.raw["api"]["tls"]["grpc_tls_port"]
+    port = c.raw["api"]["grpc_port"]
     creds = grpc.ssl_channel_credentials(
         root_certificates=pki.ca_cert.read_bytes(),
         private_key=pki.client_key.read_bytes() if client_cert else None,
@@ -120,7 +119,7 @@ def test_grpc_mtls_requires_a_client_certificate_from_the_ca(secure, tmp_path):
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     channel.close()
     other = make_test_ca_and_cert(tmp_path / "other")
-    port = c.raw["api"]["tls"]["grpc_tls_port"]
+    port = c.raw["api"]["grpc_port"]
     foreign = grpc.secure_channel(f"localhost:{port}", grpc.ssl_channel_credentials(
         root_certificates=pki.ca_cert.read_bytes(), private_key=other.client_key.read_bytes(),
         certificate_chain=other.client_cert.read_bytes()))
@@ -130,4 +129,13 @@ def test_grpc_mtls_requires_a_client_certificate_from_the_ca(secure, tmp_path):
     foreign.close()
     channel, stub = _grpc_stub(c, pki)
     assert _grpc_list(stub, KEEP).models[0].name == "smollm2-135m"
+    channel.close()
+
+
+def test_grpc_port_answers_no_plaintext(secure):
+    c, _, _ = secure
+    channel = grpc.insecure_channel(f"localhost:{c.raw['api']['grpc_port']}")
+    with pytest.raises(grpc.RpcError) as e:
+        _grpc_list(pb_grpc.SpecServeStub(channel), KEEP)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     channel.close()

@@ -269,3 +269,22 @@ def test_a_port_taken_by_another_program_is_named():
         port = other.getsockname()[1]
         with pytest.raises(OSError, match=f"127.0.0.1:{port}"):
             listening_socket("127.0.0.1", port)
+
+
+def test_a_bug_in_a_router_method_is_internal_naming_its_type_not_unknown():
+    async def main():
+        doors, router, _, _ = _doors(lambda: FakeCall([FINAL]))
+
+        async def broken(request, grpc_context=None):
+            raise KeyError("x")
+        router.ListModels = broken
+        await doors.open()
+        try:
+            async with _grpc(doors) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await pb_grpc.SpecServeStub(channel).ListModels(pb.ListModelsRequest(), timeout=10)
+            assert e.value.code() == grpc.StatusCode.INTERNAL and "KeyError" in e.value.details()
+            assert doors.admission.running == 0
+        finally:
+            await doors.close(1)
+    run(main())

@@ -241,14 +241,8 @@ class GrpcServicer:
         try:
             async with self.admission.slot():
                 return await getattr(self.router, name)(request, grpc_context=context)
-        except Full:
-            self.on_refused("busy")
-            e = busy_error()
-        except ApiError as err:
-            e = err
-        except Exception as err:  # noqa: BLE001 - a bug: INTERNAL with the type, logged (grpc would say UNKNOWN)
-            log.exception("gRPC %s failed", name)
-            e = ApiError(ErrorCode.INTERNAL, f"{name}: internal error ({type(err).__name__})")
+        except Exception as err:  # noqa: BLE001 - every failure ends the call with its status
+            e = self._status(name, err)
         await context.abort(_abort_code(e), e.message, _trailers(e))
 
     async def _streaming(self, name: str, request, context):
@@ -257,15 +251,21 @@ class GrpcServicer:
                 async for message in getattr(self.router, name)(request, grpc_context=context):
                     yield message
                 return
-        except Full:
-            self.on_refused("busy")
-            e = busy_error()
-        except ApiError as err:
-            e = err
-        except Exception as err:  # noqa: BLE001 - a bug: INTERNAL with the type, logged (grpc would say UNKNOWN)
-            log.exception("gRPC %s failed", name)
-            e = ApiError(ErrorCode.INTERNAL, f"{name}: internal error ({type(err).__name__})")
+        except Exception as err:  # noqa: BLE001 - every failure ends the call with its status
+            e = self._status(name, err)
         await context.abort(_abort_code(e), e.message, _trailers(e))
+
+    def _status(self, name: str, err: Exception) -> ApiError:
+        """The status a failed call ends with: UNAVAILABLE when no place was free, the router's own
+        error as it is, and INTERNAL naming the type for anything else (a bug, logged; grpc alone
+        would answer UNKNOWN). Called while `err` is being handled."""
+        if isinstance(err, Full):
+            self.on_refused("busy")
+            return busy_error()
+        if isinstance(err, ApiError):
+            return err
+        log.exception("gRPC %s failed", name)
+        return ApiError(ErrorCode.INTERNAL, f"{name}: internal error ({type(err).__name__})")
 
     async def Generate(self, request, context):
         return await self._unary("Generate", request, context)

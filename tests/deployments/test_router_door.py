@@ -212,6 +212,9 @@ def test_grpc_errors_keep_their_status_details_and_retry_hint():
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await stub.Generate(bad, timeout=10)
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "mode" in e.value.details()
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    [m async for m in stub.GenerateStream(bad, timeout=10)]
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "mode" in e.value.details()
                 # an undecodable message: INVALID_ARGUMENT naming the request, not UNKNOWN
                 raw = channel.unary_unary("/specserve.v1.SpecServe/Generate")
                 with pytest.raises(grpc.aio.AioRpcError) as e:

@@ -291,3 +291,28 @@ def test_a_bug_in_a_router_method_is_internal_naming_its_type_not_unknown():
         finally:
             await doors.close(1)
     run(main())
+
+
+def test_two_replicas_share_the_ports_and_one_closing_leaves_the_other_answering():
+    """Router replicas of one node bind the same HTTP and gRPC ports (SO_REUSEPORT): while one
+    stops (or is replaced), the other keeps taking calls."""
+    async def main():
+        first, _, _, _ = _doors(lambda: FakeCall([FINAL]))
+        second, _, handles, _ = _doors(lambda: FakeCall([FINAL]))
+        api = second.config.api
+        api.http_port, api.grpc_port = first.config.api.http_port, first.config.api.grpc_port
+        await first.open()
+        await second.open()
+        try:
+            await first.close(1)
+            async with httpx.AsyncClient() as client:
+                for _ in range(3):
+                    r = await client.post(f"http://127.0.0.1:{api.http_port}/v1/chat/completions", json=BODY)
+                    assert r.status_code == 200
+            async with _grpc(second) as channel:
+                models = await pb_grpc.SpecServeStub(channel).ListModels(pb.ListModelsRequest(), timeout=10)
+            assert models.models[0].name == "smollm2-135m"
+            assert len(handles["ngram"].calls) == 3  # all answered by the replica left
+        finally:
+            await second.close(1)
+    run(main())

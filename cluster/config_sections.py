@@ -163,8 +163,12 @@ class TlsConfig(Strict):
     certfile: Optional[str] = Field(None, description="PEM server certificate (chain): HTTPS and gRPC over TLS.")
     keyfile: Optional[str] = Field(None, description="PEM private key of `certfile` (unencrypted).")
     client_ca_file: Optional[str] = Field(
-        None, description="gRPC mTLS: callers must present a certificate signed by this CA (not possible on HTTP "
-                          "with Ray Serve 2.60).")
+        None, description="gRPC mTLS: callers must present a certificate signed by this CA (on HTTP too with "
+                          "http_client_certs).")
+    http_client_certs: bool = Field(
+        False, description=(
+            "HTTPS asks every caller for a certificate signed by client_ca_file and refuses the connection without "
+            "one (mTLS on HTTP as on gRPC). The router's door only: Ray's HTTP proxy cannot ask for one."))
     grpc_tls_port: int = Field(
         9443, ge=1, le=65535, description=(
             "api.door ray_proxy only: the TLS gRPC port, forwarding to Ray's plaintext gRPC port (api.grpc_port), "
@@ -176,6 +180,8 @@ class TlsConfig(Strict):
             raise ValueError("certfile and keyfile go together")
         if self.client_ca_file and not self.certfile:
             raise ValueError("client_ca_file needs certfile and keyfile")
+        if self.http_client_certs and not self.client_ca_file:
+            raise ValueError("http_client_certs needs client_ca_file (the CA that signs the callers' certificates)")
         return self
 
     @property
@@ -259,6 +265,12 @@ class ApiConfig(Strict):
     grpc_port: int = Field(9000, ge=0, le=65535, description="gRPC port (0 disables gRPC).")
     tls: TlsConfig = Field(default_factory=TlsConfig, description="TLS of the HTTP and gRPC endpoints.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Size limits of requests at both doors.")
+
+    @model_validator(mode="after")
+    def _door_can_do_it(self) -> "ApiConfig":
+        if self.tls.http_client_certs and self.door != "router":
+            raise ValueError("tls.http_client_certs needs door: router (Ray's HTTP proxy cannot ask for a certificate)")
+        return self
 
 
 class LocalNodeConfig(Strict):

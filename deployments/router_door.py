@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 from typing import Any, Callable, Optional
 
 import uvicorn
@@ -195,12 +196,15 @@ def capped_protocol(per_client: PerClient, on_refused: Callable[[str], None]):
 
 
 async def start_http(app: HttpApp, config: ClusterConfig, protocol: Any = "auto"):
-    """uvicorn serving `app` on api.host:api.http_port (HTTPS when api.tls is set) with the HTTP
-    `protocol` class; returns the server and its task."""
+    """uvicorn serving `app` on api.host:api.http_port (HTTPS when api.tls is set, client
+    certificates required with api.tls.http_client_certs) with the HTTP `protocol` class; returns
+    the server and its task."""
     api = config.api
     tls = {}
     if api.tls.enabled:
         tls = {"ssl_certfile": api.tls.certfile, "ssl_keyfile": api.tls.keyfile}
+    if api.tls.http_client_certs:  # mTLS: no certificate from the CA, no connection
+        tls.update(ssl_ca_certs=api.tls.client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
     sock = listening_socket(api.host, api.http_port)
     logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)
     server = uvicorn.Server(uvicorn.Config(app, http=protocol, lifespan="off", access_log=False,

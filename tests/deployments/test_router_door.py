@@ -316,3 +316,40 @@ def test_two_replicas_share_the_ports_and_one_closing_leaves_the_other_answering
         finally:
             await second.close(1)
     run(main())
+
+
+def test_https_with_client_certificates_required_refuses_a_caller_without_one(tmp_path):
+    from cluster.tls import client_ssl_context, make_test_ca_and_cert
+
+    pki = make_test_ca_and_cert(tmp_path)
+
+    async def main():
+        doors, _, handles, _ = _doors(lambda: FakeCall([FINAL]))
+        tls = doors.config.api.tls
+        tls.certfile, tls.keyfile = str(pki.server_cert), str(pki.server_key)
+        tls.client_ca_file, tls.http_client_certs = str(pki.ca_cert), True
+        await doors.open()
+        url = f"https://localhost:{doors.config.api.http_port}/v1/chat/completions"
+        try:
+            with_cert = client_ssl_context(str(pki.ca_cert), str(pki.client_cert), str(pki.client_key))
+            async with httpx.AsyncClient(verify=with_cert) as client:
+                assert (await client.post(url, json=BODY)).status_code == 200
+            async with httpx.AsyncClient(verify=client_ssl_context(str(pki.ca_cert))) as client:
+                with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+                    await client.post(url, json=BODY)
+            assert len(handles["ngram"].calls) == 1
+        finally:
+            await doors.close(1)
+    run(main())
+
+
+def test_http_client_certificates_need_a_ca_and_the_routers_door():
+    from pydantic import ValidationError
+
+    from cluster.config_sections import ApiConfig
+
+    with pytest.raises(ValidationError, match="http_client_certs needs client_ca_file"):
+        ApiConfig(tls={"certfile": "c", "keyfile": "k", "http_client_certs": True})
+    with pytest.raises(ValidationError, match="needs door: router"):
+        ApiConfig(door="ray_proxy", tls={"certfile": "c", "keyfile": "k", "client_ca_file": "ca",
+                                         "http_client_certs": True})

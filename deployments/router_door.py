@@ -38,6 +38,7 @@ from cluster.config import ClusterConfig
 from cluster.ops.placement import grpc_message_options, grpc_reflection
 from cluster.routing.deadline import RETRY_AFTER_S
 from cluster.tls import grpc_server_credentials
+from deployments.router_grpc import grpc_status, grpc_trailers
 from deployments.router_http import error_response
 
 log = logging.getLogger("specserve.door")
@@ -224,16 +225,6 @@ async def start_http(app: HttpApp, config: ClusterConfig, protocol: Any = "auto"
 # -- gRPC ------------------------------------------------------------------------------------------
 
 
-def _abort_code(e: ApiError):
-    import grpc
-
-    return getattr(grpc.StatusCode, e.code.grpc_name)
-
-
-def _trailers(e: ApiError) -> tuple:
-    return (("retry-after-s", str(e.retry_after_s)),) if e.retry_after_s else ()
-
-
 class GrpcServicer:
     """The router's gRPC methods as grpc.aio handlers: admission, then the router's method; an
     ApiError ends the call with its status (the router already set it on the context)."""
@@ -247,7 +238,7 @@ class GrpcServicer:
                 return await getattr(self.router, name)(request, grpc_context=context)
         except Exception as err:  # noqa: BLE001 - every failure ends the call with its status
             e = self._status(name, err)
-        await context.abort(_abort_code(e), e.message, _trailers(e))
+        await context.abort(grpc_status(e), e.message, grpc_trailers(e))
 
     async def _streaming(self, name: str, request, context):
         try:
@@ -257,7 +248,7 @@ class GrpcServicer:
                 return
         except Exception as err:  # noqa: BLE001 - every failure ends the call with its status
             e = self._status(name, err)
-        await context.abort(_abort_code(e), e.message, _trailers(e))
+        await context.abort(grpc_status(e), e.message, grpc_trailers(e))
 
     def _status(self, name: str, err: Exception) -> ApiError:
         """The status a failed call ends with: UNAVAILABLE when no place was free, the router's own
@@ -358,7 +349,7 @@ class Doors:
             server.should_exit = True
             try:
                 await asyncio.wait_for(asyncio.shield(task), timeout=grace_s + 1)
-            except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - closing: force it
+            except Exception:  # noqa: BLE001 - closing (a timeout included): force it
                 server.force_exit = True
                 task.cancel()
             self._http = None

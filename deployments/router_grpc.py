@@ -22,6 +22,18 @@ from cluster.policy.teaching import client_id
 from specserve.v1 import specserve_pb2 as pb
 
 
+def grpc_status(e: ApiError) -> Any:
+    """The grpc.StatusCode of an error."""
+    import grpc
+
+    return getattr(grpc.StatusCode, e.code.grpc_name)
+
+
+def grpc_trailers(e: ApiError) -> tuple:
+    """Trailing metadata of an error: its retry hint in seconds, if it has one."""
+    return (("retry-after-s", str(e.retry_after_s)),) if e.retry_after_s else ()
+
+
 class GrpcDoor:
     """The gRPC methods of the router (see module doc)."""
 
@@ -36,12 +48,10 @@ class GrpcDoor:
     @staticmethod
     def _grpc_fail(ctx: Any, e: ApiError) -> ApiError:
         if ctx is not None:
-            import grpc
-
-            ctx.set_code(getattr(grpc.StatusCode, e.code.grpc_name))
+            ctx.set_code(grpc_status(e))
             ctx.set_details(e.message)
             if e.retry_after_s:
-                ctx.set_trailing_metadata([("retry-after-s", str(e.retry_after_s))])
+                ctx.set_trailing_metadata(list(grpc_trailers(e)))
         return e
 
     def _decoded(self, request: Any, ctx: Any) -> Any:

@@ -27,7 +27,7 @@ class Admission:
         self._free = asyncio.Semaphore(ongoing)
         self.running = 0
         self.waiting = 0
-        self.refused = 0  # calls turned away since start (a metric reads it)
+        self.refused = 0  # calls turned away since start (the doors report each to a metric themselves)
 
     def _may_wait(self) -> bool:
         return self.queued < 0 or self.waiting < self.queued

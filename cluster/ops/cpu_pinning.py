@@ -29,6 +29,24 @@ NEVER_MOVED = ("raylet", "ray::IDLE")  # they start replicas: a replica inherits
 SPAWNS_WORKER = ("ray::ServeReplica", "VLLM::EngineCore")  # move only once their worker runs
 
 
+def program(name: str) -> str:
+    """The program a process title names: a title Ray or vLLM set as it is, less the task a Ray actor
+    is running (`ray::ServeReplica:app:router.handle_request` is the router's replica), an executable
+    by its file name (the raylet runs as `.../ray/core/src/ray/raylet/raylet`).
+
+    >>> program("/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet"), program("ray::IDLE")
+    ('raylet', 'ray::IDLE')
+    >>> program("ray::ServeReplica:app:router.handle_request_with_rejection"), program("VLLM::Worker")
+    ('ray::ServeReplica:app:router', 'VLLM::Worker')
+    >>> program("/venv/bin/redis-server 127.0.0.1:6390")
+    'redis-server 127.0.0.1:6390'
+    """
+    if "::" in name.split(" ", 1)[0]:
+        head, _, last = name.rpartition(":")
+        return f"{head}:{last.split('.', 1)[0]}" if head else name
+    return os.path.basename(name)
+
+
 @dataclass(frozen=True)
 class Proc:
     pid: int
@@ -66,6 +84,10 @@ def plan(procs: list[Proc], all_cpus: frozenset[int]) -> tuple[frozenset[int], l
     ...          Proc(8, "ray::ServeReplica:app:router", free), Proc(10, "gcs_server", frozenset({1}))]
     >>> plan(procs, free)  # the router replica starts no engine: it moves at once
     (frozenset({1}), [2, 5, 7, 8])
+    >>> plan([W(9), Proc(3, "/venv/ray/core/src/ray/raylet/raylet", free)], free)  # by its path, too
+    (frozenset({1}), [])
+    >>> plan([W(9), Proc(8, "ray::ServeReplica:app:router.handle_request", free)], free)  # busy, too
+    (frozenset({1}), [8])
     >>> plan([Proc(2, "ray::ProxyActor", free)], free)  # no bound worker: nothing to do
     (frozenset(), [])
     """
@@ -74,9 +96,10 @@ def plan(procs: list[Proc], all_cpus: frozenset[int]) -> tuple[frozenset[int], l
         return reserved, []
     out = []
     for p in procs:
-        if p.cpus <= reserved or p.name.startswith(WORKER) or p.name.startswith(NEVER_MOVED):
+        name = program(p.name)
+        if p.cpus <= reserved or name.startswith(WORKER) or name.startswith(NEVER_MOVED):
             continue
-        if p.name.startswith(SPAWNS_WORKER) and not p.has_worker and not p.name.endswith(":router"):
+        if name.startswith(SPAWNS_WORKER) and not p.has_worker and not name.endswith(":router"):
             continue
         out.append(p.pid)
     return reserved, out

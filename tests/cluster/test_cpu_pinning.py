@@ -16,11 +16,13 @@ from cluster.ops.cpu_pinning import pin_serving_processes
 ALL = frozenset(os.sched_getaffinity(0))
 pytestmark = pytest.mark.skipif(len(ALL) < 2, reason="needs two cores to keep one free")
 
-# A shell whose children carry the process titles of a local cluster (`exec -a` sets argv[0]). The
-# worker is bound to the lowest core, as vLLM's auto-binding does; everything else floats.
-TREE = """
+# A shell whose children carry the process titles of a local cluster (`exec -a` sets argv[0]; the
+# raylet's is its executable's path, as Ray starts it). The worker is bound to the lowest core, as
+# vLLM's auto-binding does; everything else floats.
+RAYLET = "/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet"
+TREE = f"""
 (exec -a VLLM::Worker sleep 60) &
-(exec -a raylet sleep 60) &
+(exec -a {RAYLET} sleep 60) &
 (exec -a ray::ProxyActor sleep 60) &
 (exec -a ray::ServeReplica:app:engine-waiting sleep 60) &
 (exec -a ray::ServeReplica:app:engine-ngram bash -c '(exec -a VLLM::Worker sleep 60) & wait') &
@@ -56,7 +58,7 @@ def test_serving_processes_leave_the_workers_core_and_the_rest_stays():
         assert root.cpu_affinity() == free
         for w in titles["VLLM::Worker"]:
             assert w.cpu_affinity() == [worker_core]
-        assert titles["raylet"][0].cpu_affinity() == sorted(ALL)  # starts replicas: they inherit its cores
+        assert titles[RAYLET][0].cpu_affinity() == sorted(ALL)  # starts replicas: they inherit its cores
         assert titles["ray::ServeReplica:app:engine-waiting"][0].cpu_affinity() == sorted(ALL)
         assert pin_serving_processes(ALL, root_pid=shell.pid) == 0  # nothing new to move
     finally:

@@ -283,6 +283,26 @@ def test_engines_run_at_normal_priority(cluster):
     assert all(os.getpriority(os.PRIO_PROCESS, pid) == 0 for pid, _ in mine)
 
 
+def test_the_processes_that_start_replicas_keep_the_workers_cores(cluster):
+    """`ray.pin_serving_cpus` moves the serving processes off the model workers' cores, but not the
+    raylet or Ray's idle workers: a replica they start later (a replacement, an autoscaled one)
+    inherits their cores, and vLLM binds its model worker within them. A raylet moved onto the
+    serving core put a replacement's worker there (tests/e2e/test_failover.py measures the cost)."""
+    from cluster.ops.cpu_pinning import program
+
+    assert cluster.raw["ray"]["pin_serving_cpus"]
+    deadline = time.monotonic() + 30  # the first pinning pass: 5 s after serving at most
+    while "pinned" not in cluster.log_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, cluster.log_tail()
+        time.sleep(1)
+    procs = [(p, program(p.cmdline()[0])) for p in psutil.Process(cluster.proc.pid).children(recursive=True)
+             if p.cmdline()]
+    workers = {c for p, name in procs if name.startswith("VLLM::Worker") for c in p.cpu_affinity()}
+    starters = {name: set(p.cpu_affinity()) for p, name in procs if name in ("raylet", "ray::IDLE")}
+    assert workers and "raylet" in starters, [name for _, name in procs]
+    assert all(workers <= cores for cores in starters.values()), (sorted(workers), starters)
+
+
 def test_engine_cores_sleep_while_their_workers_compute(cluster):
     """`engine_core_wait: block` (both pools of the embedded config): the engine core waits for its
     model worker on the notification socket, not by spinning on the core it shares with the serving

@@ -3,6 +3,7 @@ pydantic models that `cluster.config.ClusterConfig` assembles with the models an
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal, Optional
 from urllib.parse import urlsplit
 
@@ -285,6 +286,30 @@ class LocalNodeConfig(Strict):
             "on it (the names the GPU config's node groups advertise: specserve_target, specserve_drafter, specserve_mtp)."))
     object_store_mb: int = Field(128, ge=80, le=1 << 20, description="The node's object store (MiB).")
 
+class RayTlsConfig(Strict):
+    """Ray's own mutual TLS (cluster/ops/ray_tls.py): every gRPC server of Ray, the Serve replicas'
+    inter-deployment servers among them, asks for a certificate signed by the cluster's CA."""
+
+    enabled: bool = Field(
+        True, description=(
+            "A local cluster: `specserve up` signs a node certificate and starts Ray with RAY_USE_TLS. The KubeRay "
+            "manifests: every Ray pod signs its own in an init container, with the CA from a Secret. A joined "
+            "cluster (ray.address): its nodes' own environment decides."))
+    ca_cert: Optional[str] = Field(
+        None, description="A local cluster's CA certificate (PEM); unset: a CA made for each start, its key discarded.")
+    ca_key: Optional[str] = Field(None, description="The key of ca_cert (PEM, unencrypted), to sign the node certificate.")
+
+    @model_validator(mode="after")
+    def _pair(self) -> "RayTlsConfig":
+        if bool(self.ca_cert) != bool(self.ca_key):
+            raise ValueError("ca_cert and ca_key go together")
+        for name in ("ca_cert", "ca_key"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ValueError(f"{name}: {path}: no such file")
+        return self
+
+
 class RayConfig(Strict):
     address: Optional[str] = Field(
         None, description="Ray cluster to join ('auto', 'ray://...'); None starts a local one."
@@ -307,6 +332,7 @@ class RayConfig(Strict):
         default_factory=list, description=(
             "Worker nodes of a local cluster, each a separate process tree on this machine with its "
             "own resources (cluster/ops/local_nodes.py): the multi-node path on one machine. Empty: one node."))
+    tls: RayTlsConfig = Field(default_factory=RayTlsConfig, description="Ray's own mutual TLS.")
     pin_serving_cpus: bool = Field(
         False, description=(
             "A local cluster on vLLM's CPU backend: keep the serving processes (proxies, router, replicas' front "

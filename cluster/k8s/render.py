@@ -177,6 +177,39 @@ def api_key_volume(cfg: ClusterConfig, settings: RenderSettings) -> tuple[list[O
     return [volume], [{"name": "api-keys", "mountPath": str(path.parent), "readOnly": True}]
 
 
+RAY_TLS_DIR, RAY_CA_DIR = "/etc/specserve/ray-tls", "/etc/specserve/ray-ca"
+
+
+def ray_tls_parts(cfg: ClusterConfig, settings: RenderSettings) -> tuple[list[Obj], list[Obj], list[Obj], list[Obj]]:
+    """(env, volumes, volumeMounts, initContainers) of a Ray pod with Ray's mutual TLS (ray.tls.enabled;
+    cluster/ops/ray_tls.py): an init container signs a certificate for the pod's address with the CA of
+    the Secret `ray_tls_secret` (`ca.crt`, `ca.key`) into a memory volume, which Ray's containers read
+    (RAY_USE_TLS and the three files); the CA's key stays in the init container."""
+    if not cfg.ray.tls.enabled:
+        return [], [], [], []
+    env = [{"name": k, "value": v} for k, v in (("RAY_USE_TLS", "1"), ("RAY_TLS_SERVER_CERT", f"{RAY_TLS_DIR}/tls.crt"),
+                                               ("RAY_TLS_SERVER_KEY", f"{RAY_TLS_DIR}/tls.key"),
+                                               ("RAY_TLS_CA_CERT", f"{RAY_TLS_DIR}/ca.crt"))]
+    volumes = [{"name": "ray-tls", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
+               {"name": "ray-ca", "secret": {"secretName": settings.ray_tls_secret, "defaultMode": 0o440,
+                                             "items": [{"key": "ca.crt", "path": "ca.crt"},
+                                                       {"key": "ca.key", "path": "ca.key"}]}}]
+    mounts = [{"name": "ray-tls", "mountPath": RAY_TLS_DIR, "readOnly": True}]
+    init = {
+        "name": "ray-tls",
+        "image": settings.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["python", "-m", "cluster.ops.ray_tls", "node-cert", "--ca-dir", RAY_CA_DIR, "--out", RAY_TLS_DIR,
+                    "--host", "$(POD_IP)"],
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"cpu": "500m", "memory": "256Mi"}},
+        "securityContext": _hardened(),
+        "volumeMounts": [{"name": "ray-tls", "mountPath": RAY_TLS_DIR},
+                         {"name": "ray-ca", "mountPath": RAY_CA_DIR, "readOnly": True}],
+    }
+    return env, volumes, mounts, [init]
+
+
 def _pod(settings: RenderSettings, cfg: ClusterConfig, group: NodeGroup, role: str, group_name: str) -> Obj:
     """Pod template of one Ray node group (role: head or worker)."""
     res: Obj = {"cpu": f"{group.cpu:g}", "memory": _qty_gib(group.memory_gib)}
@@ -193,6 +226,7 @@ def _pod(settings: RenderSettings, cfg: ClusterConfig, group: NodeGroup, role: s
         {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": settings.hf_secret, "key": "token", "optional": True}}},
         *api_key_env(cfg, settings),
         *drafter_secret_env(cfg, settings),
+        *ray_tls_parts(cfg, settings)[0],
     ]
     ports = [{"name": "serve", "containerPort": cfg.api.http_port}]
     if cfg.api.grpc_port:
@@ -213,6 +247,7 @@ def _pod(settings: RenderSettings, cfg: ClusterConfig, group: NodeGroup, role: s
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "cache", "mountPath": "/var/cache/specserve"},
             *api_key_volume(cfg, settings)[1],
+            *ray_tls_parts(cfg, settings)[2],
         ],
         "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}},
     }
@@ -237,8 +272,11 @@ def _pod(settings: RenderSettings, cfg: ClusterConfig, group: NodeGroup, role: s
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _qty_gib(group.shm_gib)}},
             {"name": "cache", "emptyDir": {"sizeLimit": _qty_gib(group.cache_gib)}},
             *api_key_volume(cfg, settings)[0],
+            *ray_tls_parts(cfg, settings)[1],
         ],
     }
+    if ray_tls_parts(cfg, settings)[3]:
+        spec["initContainers"] = ray_tls_parts(cfg, settings)[3]
     if group.node_selector:
         spec["nodeSelector"] = dict(group.node_selector)
     if group.tolerations:
@@ -272,7 +310,9 @@ def ray_service(raw: dict[str, Any], cfg: ClusterConfig, settings: RenderSetting
             "idleTimeoutSeconds": settings.autoscaler_idle_timeout_s,
             "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"cpu": "500m", "memory": "512Mi"}},
             "securityContext": _hardened(),
-            "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+            # The autoscaler dials the GCS too: with Ray's TLS on, with the pod's certificate.
+            "env": ray_tls_parts(cfg, settings)[0],
+            "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *ray_tls_parts(cfg, settings)[2]],
         },
         "headGroupSpec": {
             "rayStartParams": _start_params(settings.head, head=True),

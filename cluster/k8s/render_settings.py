@@ -82,6 +82,10 @@ class RenderSettings(_Strict):
         "specserve-drafter",
         description=("Secret with the drafter wire's shared secret when the cluster config has drafters: key "
                      "`secret` (at least 16 characters) becomes SPECSERVE_DRAFTER_SECRET of the Ray pods."))
+    ray_tls_secret: str = Field(
+        "specserve-ray-tls",
+        description=("Secret with the CA of Ray's mutual TLS when the cluster config has ray.tls.enabled: keys `ca.crt` "
+                     "and `ca.key` (PEM); each Ray pod signs its own certificate with it at start (k8s/README.md)."))
     gcs_fault_tolerance: bool = Field(True, description="Ray GCS fault tolerance on the config's Redis.")
     autoscaler_idle_timeout_s: int = Field(300, ge=0, description="KubeRay autoscaler: idle pod lifetime.")
     upscaling_mode: Literal["Default", "Aggressive", "Conservative"] = Field("Default")

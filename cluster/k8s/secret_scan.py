@@ -4,7 +4,7 @@ var's `valueFrom.secretKeyRef`, a Secret volume, KubeRay's `redisPassword.valueF
 is a value written where such a reference belongs.
 
 What counts as a finding (each names the object and the path, never the value):
-- an env var whose name has a word like KEY, TOKEN, PASSWORD, SECRET, AUTH with a literal `value`
+- an env var whose name has a word like KEY, TOKEN, PASSWORD, SECRET, AUTH with a literal `value` (a file path is not one)
   (a `name`/`value` entry of an `env` list, or an entry of an `env` / `env_vars` mapping);
 - any other field whose name has a word like password, secret, token, credential or api key, holding
   a string or a `{value: ...}` (a name ending in Env, File, Ref, Name, Path says where a secret is);
@@ -50,11 +50,19 @@ def _names_a_secret(name: str, words: set[str]) -> bool:
     return bool((set(ws) | joined) & words)
 
 
+_FILE_PATH = re.compile(r"^/[A-Za-z0-9_.\-/]+$")
+
+
 def _literal(value: Any) -> bool:
-    """A non-empty string, or a KubeRay-style `{value: <non-empty string>}`."""
+    """A non-empty string, or a KubeRay-style `{value: <non-empty string>}`; an absolute file path is
+    not one (it points to a mounted Secret: Ray's RAY_TLS_SERVER_KEY names its key file that way).
+
+    >>> _literal("hunter2"), _literal({"value": "sk-1"}), _literal("/etc/specserve/ray-tls/tls.key"), _literal(" ")
+    (True, True, False, False)
+    """
     if isinstance(value, dict):
         value = value.get("value")
-    return isinstance(value, str) and value.strip() != ""
+    return isinstance(value, str) and value.strip() != "" and not _FILE_PATH.match(value)
 
 
 def _walk(node: Any, path: str, parent: Any = None) -> Iterator[tuple[str, Any, Any, Any]]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from cluster.config import ClusterConfig, RedisConfig, DrafterDeploymentConfig, PoolConfig
+from cluster.ops.ray_tls import ray_tls_env
 from cluster.config_sections import RAY_BUILTIN_RESOURCES
 from cluster.engine.sampling_fix import ENV as SAMPLING_FIX_ENV
 
@@ -69,8 +70,8 @@ def ray_attach_env(config: ClusterConfig, environ: dict, record: Optional[dict] 
     """Environment for a client process that attaches to the running cluster's Ray (`specserve
     status`), set before `import ray`: the loopback switch when that Ray listens on loopback (the
     local default), since without it Ray dials the machine's routable address, where nothing listens;
-    and, unless the caller or the config names a Ray, RAY_ADDRESS and the auth mode of `record`
-    (what `specserve up` recorded for this config: `read_ray_address`).
+    and, unless the caller or the config names a Ray, RAY_ADDRESS, the auth mode and Ray's TLS
+    variables of `record` (what `specserve up` recorded for this config: `read_ray_address`).
 
     >>> from cluster.config import load_config
     >>> local = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "local-cpu.yaml"))
@@ -95,6 +96,8 @@ def ray_attach_env(config: ClusterConfig, environ: dict, record: Optional[dict] 
         env["RAY_ADDRESS"] = record["gcs"]
         if record.get("auth_mode") and RAY_AUTH_MODE_ENV not in environ:
             env[RAY_AUTH_MODE_ENV] = record["auth_mode"]
+        if isinstance(record.get("tls"), dict):  # Ray's mutual TLS: the node certificate dials it
+            env.update({k: str(v) for k, v in record["tls"].items() if k.startswith("RAY_")})
     return env
 
 
@@ -151,8 +154,11 @@ def ray_address_record(gcs_address: str, environ: dict) -> str:
 
     >>> ray_address_record("127.0.0.1:6379", {"RAY_AUTH_MODE": "token"})
     '{"gcs": "127.0.0.1:6379", "auth_mode": "token"}'
+    >>> ray_address_record("127.0.0.1:6379", {"RAY_USE_TLS": "1", "RAY_TLS_CA_CERT": "/t/ca.crt"})
+    '{"gcs": "127.0.0.1:6379", "auth_mode": null, "tls": {"RAY_USE_TLS": "1", "RAY_TLS_CA_CERT": "/t/ca.crt"}}'
     """
-    return json.dumps({"gcs": gcs_address, "auth_mode": environ.get(RAY_AUTH_MODE_ENV)})
+    tls = ray_tls_env(environ)
+    return json.dumps({"gcs": gcs_address, "auth_mode": environ.get(RAY_AUTH_MODE_ENV), **({"tls": tls} if tls else {})})
 
 
 def read_ray_address(config: ClusterConfig) -> Optional[dict]:

@@ -14,7 +14,7 @@ from typing import Optional
 
 from cluster.config import ConfigError, load_config
 from cluster.engine.draft_wire import SECRET_ENV, new_secret
-from cluster.ops import reaper
+from cluster.ops import ray_tls, reaper
 from cluster.ops.cpu_pinning import pin_serving_processes
 from cluster.ops.local_nodes import LocalNodes
 from cluster.ops.models import prepare_all
@@ -40,6 +40,9 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
         # Read by the workers the raylet starts too: the gRPC proxy's message-size bound (a joined
         # cluster's nodes must have it in their own environment, as the rendered manifests do).
         os.environ.update(local_ray_env(config))
+        if config.ray.tls.enabled:  # Ray's mutual TLS: every Ray process inherits the node certificate
+            os.environ.update(ray_tls.local_pki([config.ray.node_ip_address or ray_tls.routable_address()],
+                                                config.ray.tls.ca_cert, config.ray.tls.ca_key).env())
     import ray
     from ray import serve
     from ray.serve import api as serve_api
@@ -306,6 +309,7 @@ def stop_cluster(redis_handle=None, forwarder=None, nodes=None, serve_timeout_s:
         if nodes is not None:
             nodes.stop()
         ray.shutdown()
+        ray_tls.forget_local_pki(os.environ)
         if redis_handle is not None:
             redis_handle.stop()
 

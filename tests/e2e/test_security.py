@@ -139,3 +139,77 @@ def test_grpc_port_answers_no_plaintext(secure):
         _grpc_list(pb_grpc.SpecServeStub(channel), KEEP)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     channel.close()
+
+
+# -- every socket of the cluster: loopback, or a client certificate required ---------------------------
+
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+
+def _answers(host: str, port: int, tls: bool) -> bool:
+    """Whether the server at host:port answers an HTTP/2 preface (plaintext, or over TLS without a
+    client certificate) with any byte: a server that wants a certificate ends the connection
+    instead (TLS 1.3 sends that refusal after the handshake, so it shows on the first read)."""
+    import socket
+    import ssl
+
+    try:
+        with socket.create_connection((host, port), timeout=5) as raw:
+            if not tls:
+                raw.sendall(H2_PREFACE)
+                return bool(raw.recv(16))
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # the question is the client side
+            ctx.set_alpn_protocols(["h2"])
+            with ctx.wrap_socket(raw, server_hostname=host) as s:
+                s.sendall(H2_PREFACE)
+                return bool(s.recv(16))
+    except (OSError, ssl.SSLError):
+        return False
+
+
+def _listening(root_pid: int) -> list[tuple[str, str, int]]:
+    """(process, address, port) of every TCP socket listening in the cluster's process tree."""
+    import psutil
+
+    from cluster.ops.cpu_pinning import program
+
+    out = []
+    for p in [psutil.Process(root_pid), *psutil.Process(root_pid).children(recursive=True)]:
+        try:
+            name = program((p.cmdline() or [p.name()])[0])
+            out += [(name, s.laddr.ip, s.laddr.port) for s in p.net_connections(kind="tcp")
+                    if s.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            continue
+    return out
+
+
+def _loopback(ip: str) -> bool:
+    import ipaddress
+
+    a = ipaddress.ip_address(ip)
+    return a.is_loopback or (a.version == 6 and a.ipv4_mapped is not None and a.ipv4_mapped.is_loopback)
+
+
+def test_every_socket_is_loopback_or_requires_a_client_certificate(cluster):
+    """The embedded config's cluster (Ray's mutual TLS on, `ray.tls`): every socket its processes
+    listen on is a loopback one, or refuses a caller without a certificate from the cluster's CA,
+    plaintext or TLS. Ray Serve binds each replica's inter-deployment gRPC server to `[::]`: those
+    must be among the refusing ones (found and checked, whatever address they have)."""
+    socks = _listening(cluster.proc.pid)
+    api = {cluster.raw["api"]["http_port"], cluster.raw["api"]["grpc_port"]}
+    open_ = [(n, ip, port, how) for n, ip, port in socks if not _loopback(ip)
+             for how, tls in (("plaintext", False), ("TLS without a client certificate", True))
+             if _answers("127.0.0.1", port, tls)]
+    assert not open_, f"answered without a client certificate: {open_}"
+    replicas = {n for n, _, _ in socks if n.startswith("ray::ServeReplica")}
+    assert len(replicas) >= 3, socks  # the router and both engine replicas
+    inter = [(n, port) for n, ip, port in socks if n in replicas and port not in api and not _loopback(ip)]
+    assert {n for n, _ in inter} == replicas, f"a replica without its [::] inter-deployment server: {socks}"
+    for n, port in inter:  # a real gRPC call, too: Ray's token alone would answer UNAUTHENTICATED
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        with pytest.raises(grpc.RpcError) as e:
+            channel.unary_unary("/ray.serve.ASGIService/HandleRequest")(b"", timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, (n, port, e.value.code(), e.value.details())
+        channel.close()

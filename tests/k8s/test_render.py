@@ -12,7 +12,7 @@ from cluster.config import ConfigError, load_config, parse_config
 from cluster.k8s.kustomize import _new_image, build, strategic_merge
 from cluster.k8s.render import (
     RenderSettings, _start_params, api_key_env, api_key_volume, deep_merge, drafter_secret_env, k8s_config_errors,
-    load_settings, main, placement_errors, serve_config,
+    load_settings, main, placement_errors, ray_service, ray_tls_parts, serve_config,
 )
 from tests.k8s.k8s_checks import K8S, ROOT
 from tests.paths import LOCAL_CPU
@@ -168,6 +168,36 @@ def test_the_drafter_wire_secret_reaches_the_pods_by_reference_only_when_drafter
                      drafters={"d1": {"model": "d"}})
     assert drafter_secret_env(remote, settings) == [{"name": "SPECSERVE_DRAFTER_SECRET", "valueFrom": {
         "secretKeyRef": {"name": "specserve-drafter", "key": "secret"}}}]
+
+
+def test_rays_mutual_tls_each_pod_signs_its_own_certificate_and_the_ca_key_stays_in_the_init_container():
+    settings = _settings(ONE)
+    raw, on = _cfg({"a": {"model": "m"}})
+    env, volumes, mounts, (init,) = ray_tls_parts(on, settings)
+    assert {e["name"]: e["value"] for e in env} == {
+        "RAY_USE_TLS": "1", "RAY_TLS_SERVER_CERT": "/etc/specserve/ray-tls/tls.crt",
+        "RAY_TLS_SERVER_KEY": "/etc/specserve/ray-tls/tls.key", "RAY_TLS_CA_CERT": "/etc/specserve/ray-tls/ca.crt"}
+    assert init["command"][:4] == ["python", "-m", "cluster.ops.ray_tls", "node-cert"]
+    assert init["command"][-2:] == ["--host", "$(POD_IP)"]
+    assert init["env"] == [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    ca = next(v for v in volumes if v["name"] == "ray-ca")
+    assert ca["secret"]["secretName"] == "specserve-ray-tls"
+    service = ray_service(raw, on, settings)["spec"]["rayClusterConfig"]
+    pods = [service["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in service["workerGroupSpecs"]]
+    for pod in pods:
+        assert [c["name"] for c in pod["initContainers"]] == ["ray-tls"]
+        for c in pod["containers"]:  # the Ray containers read the pod's certificate, never the CA's key
+            names = {m["name"] for m in c["volumeMounts"]}
+            assert "ray-tls" in names and "ray-ca" not in names
+            assert {"RAY_USE_TLS", "RAY_TLS_SERVER_KEY"} <= {e["name"] for e in c["env"]}
+    autoscaler = service["autoscalerOptions"]  # it dials the GCS too
+    assert {"RAY_USE_TLS", "RAY_TLS_CA_CERT"} <= {e["name"] for e in autoscaler["env"]}
+    assert "ray-tls" in {m["name"] for m in autoscaler["volumeMounts"]}
+
+    raw_off, off = _cfg({"a": {"model": "m"}}, ray={"tls": {"enabled": False}})
+    assert ray_tls_parts(off, settings) == ([], [], [], [])
+    head = ray_service(raw_off, off, settings)["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    assert "initContainers" not in head
 
 
 @pytest.mark.parametrize("extra,needle", [

@@ -174,7 +174,7 @@ def test_summary_and_report_carry_the_anchor_sections():
     assert set(summary["anchor_verdicts"]) == {"one_stream", "load"}
     assert summary["trace"]["order"] == [["auto", "stock-none", "none"]] * 2
     assert summary["trace"]["verdict"]["vs_best_anchor"]["config"] == "stock-none"
-    # the router's own verdict (issue 4) still compares with the cluster's static configurations only
+    # the router's own verdict still compares with the cluster's static configurations only
     assert summary["router"]["one_stream"]["best_static"] == "none"
     assert summary["router"]["load"]["4"]["best_static"] is None
     report = render_markdown(summary, {})

@@ -119,7 +119,7 @@ def test_baseline_in_every_phase_with_a_trace(tmp_path, capsys):
     assert t["requests"] == 2 * len(first) and t["failures"] == 0 and t["good_requests"] == t["requests"]
     assert summary["trace"]["verdict"]["vs_best_anchor"]["config"] == "stock-none"
     assert summary["trace"]["schedule"]["source"].startswith("Poisson segments 10:0.6,0:0.3,10:0.6")
-    # The router's verdict (issue 4) keeps judging against the cluster's own static configurations.
+    # The router's verdict keeps judging against the cluster's own static configurations.
     assert "stock-none" not in json.dumps(summary["router"])
     report = (folder / "report.md").read_text()
     assert "Against the best anchor:" in report and "## Trace replay" in report and "| stock-none |" in report

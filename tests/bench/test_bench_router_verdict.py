@@ -1,4 +1,4 @@
-"""The router verdict (issue 4's three targets) over hand-built summaries."""
+"""The router verdict (its three targets) over hand-built summaries."""
 
 import pytest
 

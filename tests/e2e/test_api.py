@@ -1,4 +1,4 @@
-"""Issue 5 end to end on the real cluster: gRPC unary and streaming, health and reflection, the
+"""End to end on the real cluster: gRPC unary and streaming, health and reflection, the
 OpenAI client over HTTP, errors with the field named, cancellation freeing the engine."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 2 end to end, on the real local cluster: text through Ray Serve and vLLM with stats,
+"""End to end, on the real local cluster: text through Ray Serve and vLLM with stats,
 greedy losslessness of every CPU mode at every K, per-request K and mode inside one engine."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 5: property-based fuzzing of both front doors on the real cluster.
+"""Property-based fuzzing of both front doors on the real cluster.
 
 Hypothesis draws malformed or extreme requests (bad types, out-of-range numbers, NaN/inf, empty and
 1 MB prompts, unknown fields, invalid UTF-8, deep JSON nesting, K beyond the pool's max, bad modes and

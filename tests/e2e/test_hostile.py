@@ -1,5 +1,5 @@
 """Hostile callers and a misbehaving Redis against the real cluster, each probe asserting the safe
-behaviour (issue 31, items 2, 3, 4, 5, 6, 8 and 10):
+behaviour:
 
 - gRPC messages past api.limits.grpc_max_message_bytes (8 MiB) get RESOURCE_EXHAUSTED at once;
 - GetTuning of an unknown model is NOT_FOUND, and many distinct (long) names grow no cache;

@@ -1,4 +1,4 @@
-"""Issue 7: the Serve config rendered into the CPU overlay's RayService, run locally with Ray's own
+"""The Serve config rendered into the CPU overlay's RayService, run locally with Ray's own
 `serve run`, serves requests (the same config Kubernetes would run; only the listen address and
 ports are changed so it can run beside the session's cluster). Its in-cluster Redis does not exist
 here, so this also shows the router serving on defaults without its tuning state."""

@@ -1,4 +1,4 @@
-"""Disaggregated speculation (issue 9) on a real cluster: a target pool whose vLLM engine drafts
+"""Disaggregated speculation on a real cluster: a target pool whose vLLM engine drafts
 through a separate drafter deployment. Greedy output is identical to no speculation on dev-set
 prompts; killing the drafter replica mid-run fails no request, and speculation resumes. The same
 small drafter also runs through vLLM's in-engine `draft_model` method (a second pool), lossless at
@@ -95,7 +95,7 @@ def _drafter_rss_mib(app: str) -> float:
 
 
 def test_hostile_clients_neither_use_nor_stop_the_drafter(remote_cluster):
-    """Issue 31 item 1 against the live drafter replica: the status page does not say where it
+    """Against the live drafter replica: the status page does not say where it
     listens; garbage, an oversized prefix, a client without the secret, slowloris handshakes and
     a connection flood get nothing and stop nothing; the engines keep drafting through it, and its
     memory stays within DRAFTER_MEMORY_BOUND_MIB."""

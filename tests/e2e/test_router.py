@@ -1,4 +1,4 @@
-"""Issue 4 end to end: the router decides per request from the workload class, writes its tuning
+"""End to end: the router decides per request from the workload class, writes its tuning
 state to the real Redis, and keeps serving through a Redis outage (then resumes writing)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 10 end to end: malformed, huge and out-of-range values written into the tuning keys of a
+"""End to end: malformed, huge and out-of-range values written into the tuning keys of a
 real Redis are ignored by the running router (a warning in its log and a Prometheus counter), and
 requests keep being served on defaults with K within the pool's maximum."""
 

@@ -252,7 +252,7 @@ def test_gpu_groups_fit_the_pools(built):
             gpus >= need["GPU"] and all(res.get(r, 0) >= v for r, v in custom.items())
             for gpus, res in advertised.values()
         ), f"pool {name} fits no GPU group"
-    # Drafter deployments land only on groups where none of their targets fit (issue 9).
+    # Drafter deployments land only on groups where none of their targets fit.
     assert cfg.drafters and used_drafters(cfg)
     for name in used_drafters(cfg):
         d = cfg.drafters[name]

@@ -18,6 +18,7 @@ from cluster.engine.coalesce import flush
 from cluster.engine.remote_proposer import public_drafter_status
 from deployments.vllm_args import engine_kwargs, speculative_config  # noqa: F401 - the replica's and tests' entry
 from cluster.config import PoolConfig
+from cluster.ops.cpu_pinning import restore_node_cpus
 from cluster.speculation import SpecMode
 from deployments.engine_death import EngineDead, engine_died
 from deployments.engine_openai import OpenAIDoor
@@ -356,6 +357,7 @@ def start_vllm(pool_name: str, kwargs: dict[str, Any]) -> Any:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     t0 = time.monotonic()
+    restore_node_cpus()  # `ray.pin_serving_cpus`: the engine's worker binds within the node's cores
     log.info("pool %s: starting vLLM engine %s", pool_name, kwargs)
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
     log.info("pool %s: engine up in %.1f s", pool_name, time.monotonic() - t0)

@@ -8,10 +8,11 @@ worker on its core at every request. With `ray.pin_serving_cpus` on, `specserve 
 thread of those processes onto the cores no worker is bound to, and does it again every few seconds
 for processes started since (a replaced replica, an autoscaled one).
 
-What is never moved (`plan`): the model workers, Ray's raylet and idle workers (the processes that
-start new replicas: a replica inherits their cores, and vLLM binds its worker inside the cores its
-replica was given, so a replica started on the reserved cores would compute there), and a replica
-or engine core whose worker has not started yet (for the same reason).
+What is never moved (`plan`): the model workers, Ray's raylet and the workers it starts until they
+are one of the long-lived actors (a new replica is started by the raylet, or is a worker it started
+earlier, and inherits its cores; vLLM binds its model worker inside the cores its replica was given,
+so a replica started on the reserved cores would compute there), and a replica or engine core whose
+worker has not started yet (for the same reason).
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ log = logging.getLogger(__name__)
 
 WORKER = "VLLM::Worker"
 NEVER_MOVED = ("raylet", "ray::IDLE")  # they start replicas: a replica inherits their cores
-SPAWNS_WORKER = ("ray::ServeReplica", "VLLM::EngineCore")  # move only once their worker runs
+SPAWNS_WORKER = ("ray::ServeReplica", "ray::SERVE_REPLICA", "VLLM::EngineCore")  # move only once their worker runs
+# The processes a raylet starts that keep their job for life. Any other (a worker still starting as
+# `python .../setup_worker.py`, an idle one, one running a task) may become a replica next: moved, it
+# would hand the serving cores to the engine that replica starts.
+NODE_CPUS_ENV = "SPECSERVE_NODE_CPUS"  # the node's cores, as `specserve up` read them before any pinning
+RAY_ACTORS_MOVED = ("ray::ServeController", "ray::ProxyActor", "ray::DashboardAgent", "ray::RuntimeEnvAgent",
+                    "ray::ServeReplica", "ray::SERVE_REPLICA")
 
 
 def program(name: str) -> str:
@@ -53,6 +60,7 @@ class Proc:
     name: str  # the process title (`ray::ProxyActor`, `VLLM::Worker`) or executable
     cpus: frozenset[int]  # its affinity
     has_worker: bool = False  # a VLLM::Worker is among its descendants
+    ray_worker: bool = False  # a raylet started it
 
 
 def reserved_cpus(procs: list[Proc], all_cpus: frozenset[int]) -> frozenset[int]:
@@ -90,6 +98,13 @@ def plan(procs: list[Proc], all_cpus: frozenset[int]) -> tuple[frozenset[int], l
     (frozenset({1}), [8])
     >>> plan([Proc(2, "ray::ProxyActor", free)], free)  # no bound worker: nothing to do
     (frozenset(), [])
+
+    What a raylet started moves only once it is one of RAY_ACTORS_MOVED (a replica: with its worker):
+    >>> R = lambda pid, name, **kw: Proc(pid, name, free, ray_worker=True, **kw)
+    >>> plan([W(9), R(11, "/venv/bin/python3.11"), R(12, "ray::_start_node_task"), R(2, "ray::ProxyActor"),
+    ...       R(13, "ray::SERVE_REPLICA::app#engine-ngram#x:ServeReplica:app:engine-ngram.__init__"),
+    ...       R(14, "ray::SERVE_REPLICA::app#router#y:ServeReplica:app:router.__init__")], free)
+    (frozenset({1}), [2, 14])
     """
     reserved = reserved_cpus(procs, all_cpus)
     if not reserved:
@@ -100,6 +115,8 @@ def plan(procs: list[Proc], all_cpus: frozenset[int]) -> tuple[frozenset[int], l
         if p.cpus <= reserved or name.startswith(WORKER) or name.startswith(NEVER_MOVED):
             continue
         if name.startswith(SPAWNS_WORKER) and not p.has_worker and not name.endswith(":router"):
+            continue
+        if p.ray_worker and not name.startswith(RAY_ACTORS_MOVED):
             continue
         out.append(p.pid)
     return reserved, out
@@ -115,12 +132,36 @@ def _snapshot(root: psutil.Process) -> list[tuple[psutil.Process, Proc]]:
     for p in [root] + root.children(recursive=True):
         try:
             title = _title(p)
-            has_worker = title.startswith(SPAWNS_WORKER) and any(
+            has_worker = program(title).startswith(SPAWNS_WORKER) and any(
                 _title(c).startswith(WORKER) for c in p.children(recursive=True))
-            out.append((p, Proc(p.pid, title, frozenset(p.cpu_affinity()), has_worker)))
+            ray_worker = p.pid != root.pid and program(_title(p.parent())) == "raylet"
+            out.append((p, Proc(p.pid, title, frozenset(p.cpu_affinity()), has_worker, ray_worker)))
         except psutil.Error:  # exited while we looked
             continue
     return out
+
+
+def node_cpus_env(all_cpus: frozenset[int]) -> dict[str, str]:
+    """NODE_CPUS_ENV for the local cluster's processes.
+
+    >>> node_cpus_env(frozenset({1, 0}))
+    {'SPECSERVE_NODE_CPUS': '0,1'}
+    """
+    return {NODE_CPUS_ENV: ",".join(str(c) for c in sorted(all_cpus))}
+
+
+def restore_node_cpus(environ=os.environ) -> frozenset[int] | None:
+    """Give the calling thread every core of the node again (NODE_CPUS_ENV; unset: nothing), before
+    it starts a vLLM engine: its engine core and model worker inherit the thread's cores, and vLLM
+    binds the worker within them. A replica the pinning moved before its engine started (a Ray worker
+    reused, a pass that raced its start) would otherwise put its worker on the serving cores."""
+    spec = environ.get(NODE_CPUS_ENV)
+    if not spec:
+        return None
+    cpus = frozenset(int(c) for c in spec.split(",") if c.strip()) & frozenset(range(os.cpu_count() or 1))
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    return cpus or None
 
 
 def pin_serving_processes(all_cpus: frozenset[int], root_pid: int | None = None) -> int:

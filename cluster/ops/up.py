@@ -15,7 +15,7 @@ from typing import Optional
 from cluster.config import ConfigError, load_config
 from cluster.engine.draft_wire import SECRET_ENV, new_secret
 from cluster.ops import ray_tls, reaper
-from cluster.ops.cpu_pinning import pin_serving_processes
+from cluster.ops.cpu_pinning import node_cpus_env, pin_serving_processes
 from cluster.ops.local_nodes import LocalNodes
 from cluster.ops.models import prepare_all
 from cluster.ops.placement import (
@@ -40,6 +40,8 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
         # Read by the workers the raylet starts too: the gRPC proxy's message-size bound (a joined
         # cluster's nodes must have it in their own environment, as the rendered manifests do).
         os.environ.update(local_ray_env(config))
+        if config.ray.pin_serving_cpus:  # read before any pinning: an engine replica starts its engine on them
+            os.environ.update(node_cpus_env(frozenset(os.sched_getaffinity(0))))
         if config.ray.tls.enabled:  # Ray's mutual TLS: every Ray process inherits the node certificate
             os.environ.update(ray_tls.local_pki([config.ray.node_ip_address or ray_tls.routable_address()],
                                                 config.ray.tls.ca_cert, config.ray.tls.ca_key).env())

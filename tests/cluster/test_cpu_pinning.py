@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(len(ALL) < 2, reason="needs two cores to keep on
 RAYLET = "/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet"
 TREE = f"""
 (exec -a VLLM::Worker sleep 60) &
-(exec -a {RAYLET} sleep 60) &
+(exec -a {RAYLET} bash -c '(exec -a /venv/bin/python3.11 sleep 60) & wait') &
 (exec -a ray::ProxyActor sleep 60) &
 (exec -a ray::ServeReplica:app:engine-waiting sleep 60) &
 (exec -a ray::ServeReplica:app:engine-ngram bash -c '(exec -a VLLM::Worker sleep 60) & wait') &
@@ -44,7 +44,8 @@ def test_serving_processes_leave_the_workers_core_and_the_rest_stays():
     try:
         root = psutil.Process(shell.pid)
         deadline = time.monotonic() + 10
-        while len(_titles(root).get("VLLM::Worker", [])) < 2 and time.monotonic() < deadline:
+        while (len(_titles(root).get("VLLM::Worker", [])) < 2 or "/venv/bin/python3.11" not in _titles(root)) \
+                and time.monotonic() < deadline:
             time.sleep(0.05)
         titles = _titles(root)
         worker_core = min(ALL)
@@ -59,6 +60,7 @@ def test_serving_processes_leave_the_workers_core_and_the_rest_stays():
         for w in titles["VLLM::Worker"]:
             assert w.cpu_affinity() == [worker_core]
         assert titles[RAYLET][0].cpu_affinity() == sorted(ALL)  # starts replicas: they inherit its cores
+        assert titles["/venv/bin/python3.11"][0].cpu_affinity() == sorted(ALL)  # a Ray worker starting
         assert titles["ray::ServeReplica:app:engine-waiting"][0].cpu_affinity() == sorted(ALL)
         assert pin_serving_processes(ALL, root_pid=shell.pid) == 0  # nothing new to move
     finally:
@@ -79,3 +81,24 @@ def test_without_a_bound_worker_nothing_moves():
             p.kill()
         shell.kill()
         shell.wait()
+
+
+def test_an_engine_starts_on_every_core_of_the_node_even_from_a_pinned_thread():
+    """`restore_node_cpus` (called before vLLM starts its engine core): a replica process the pinning
+    moved before its engine started gets the node's cores back for the thread that starts it."""
+    import threading
+
+    from cluster.ops.cpu_pinning import node_cpus_env, restore_node_cpus
+
+    seen = {}
+
+    def start():
+        os.sched_setaffinity(0, {min(ALL)})  # as if moved onto one core
+        seen["restored"] = restore_node_cpus(node_cpus_env(ALL))
+        seen["now"] = os.sched_getaffinity(0)
+        seen["unset"] = restore_node_cpus({})
+
+    t = threading.Thread(target=start)
+    t.start()
+    t.join()
+    assert seen == {"restored": ALL, "now": set(ALL), "unset": None}

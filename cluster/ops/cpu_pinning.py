@@ -128,13 +128,21 @@ def _title(p: psutil.Process) -> str:
 
 
 def _snapshot(root: psutil.Process) -> list[tuple[psutil.Process, Proc]]:
-    out = []
+    """Every process under `root`. A process below a replica whose model worker has not started (the
+    engine core and its helpers, still `python ...` before they take their titles) counts as that
+    replica does: waiting, not moved (`Proc.has_worker` False, `name` the replica's)."""
+    out, waiting = [], set()
     for p in [root] + root.children(recursive=True):
         try:
             title = _title(p)
             has_worker = program(title).startswith(SPAWNS_WORKER) and any(
                 _title(c).startswith(WORKER) for c in p.children(recursive=True))
             ray_worker = p.pid != root.pid and program(_title(p.parent())) == "raylet"
+            if p.ppid() in waiting:  # children come after their parents in this walk
+                waiting.add(p.pid)
+                title, has_worker = "ray::SERVE_REPLICA (its engine starting)", False
+            elif program(title).startswith(SPAWNS_WORKER) and not has_worker and not program(title).endswith(":router"):
+                waiting.add(p.pid)
             out.append((p, Proc(p.pid, title, frozenset(p.cpu_affinity()), has_worker, ray_worker)))
         except psutil.Error:  # exited while we looked
             continue

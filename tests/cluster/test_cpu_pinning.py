@@ -24,7 +24,7 @@ TREE = f"""
 (exec -a VLLM::Worker sleep 60) &
 (exec -a {RAYLET} bash -c '(exec -a /venv/bin/python3.11 sleep 60) & wait') &
 (exec -a ray::ProxyActor sleep 60) &
-(exec -a ray::ServeReplica:app:engine-waiting sleep 60) &
+(exec -a ray::ServeReplica:app:engine-waiting bash -c '(exec -a /venv/bin/python3 sleep 60) & wait') &
 (exec -a ray::ServeReplica:app:engine-ngram bash -c '(exec -a VLLM::Worker sleep 60) & wait') &
 wait
 """
@@ -44,7 +44,8 @@ def test_serving_processes_leave_the_workers_core_and_the_rest_stays():
     try:
         root = psutil.Process(shell.pid)
         deadline = time.monotonic() + 10
-        while (len(_titles(root).get("VLLM::Worker", [])) < 2 or "/venv/bin/python3.11" not in _titles(root)) \
+        while (len(_titles(root).get("VLLM::Worker", [])) < 2
+               or not {"/venv/bin/python3.11", "/venv/bin/python3"} <= _titles(root).keys()) \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
         titles = _titles(root)
@@ -62,6 +63,7 @@ def test_serving_processes_leave_the_workers_core_and_the_rest_stays():
         assert titles[RAYLET][0].cpu_affinity() == sorted(ALL)  # starts replicas: they inherit its cores
         assert titles["/venv/bin/python3.11"][0].cpu_affinity() == sorted(ALL)  # a Ray worker starting
         assert titles["ray::ServeReplica:app:engine-waiting"][0].cpu_affinity() == sorted(ALL)
+        assert titles["/venv/bin/python3"][0].cpu_affinity() == sorted(ALL)  # its engine core, starting
         assert pin_serving_processes(ALL, root_pid=shell.pid) == 0  # nothing new to move
     finally:
         for p in psutil.Process(shell.pid).children(recursive=True):

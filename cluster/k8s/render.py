@@ -215,6 +215,7 @@ def _pod(settings: RenderSettings, cfg: ClusterConfig, group: NodeGroup, role: s
     res: Obj = {"cpu": f"{group.cpu:g}", "memory": _qty_gib(group.memory_gib)}
     if group.gpus:
         res["nvidia.com/gpu"] = str(group.gpus)
+    tls_env, tls_volumes, tls_mounts, tls_init = ray_tls_parts(cfg, settings)
     env = [{"name": k, "value": v} for k, v in sorted(settings.env.items())]
     env += [
         {"name": "HOME", "value": "/tmp"},
@@ -226,7 +227,7 @@ def _pod(settings: RenderSettings, cfg: ClusterConfig, group: NodeGroup, role: s
         {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": settings.hf_secret, "key": "token", "optional": True}}},
         *api_key_env(cfg, settings),
         *drafter_secret_env(cfg, settings),
-        *ray_tls_parts(cfg, settings)[0],
+        *tls_env,
     ]
     ports = [{"name": "serve", "containerPort": cfg.api.http_port}]
     if cfg.api.grpc_port:
@@ -247,7 +248,7 @@ def _pod(settings: RenderSettings, cfg: ClusterConfig, group: NodeGroup, role: s
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "cache", "mountPath": "/var/cache/specserve"},
             *api_key_volume(cfg, settings)[1],
-            *ray_tls_parts(cfg, settings)[2],
+            *tls_mounts,
         ],
         "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}},
     }
@@ -272,11 +273,11 @@ def _pod(settings: RenderSettings, cfg: ClusterConfig, group: NodeGroup, role: s
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _qty_gib(group.shm_gib)}},
             {"name": "cache", "emptyDir": {"sizeLimit": _qty_gib(group.cache_gib)}},
             *api_key_volume(cfg, settings)[0],
-            *ray_tls_parts(cfg, settings)[1],
+            *tls_volumes,
         ],
     }
-    if ray_tls_parts(cfg, settings)[3]:
-        spec["initContainers"] = ray_tls_parts(cfg, settings)[3]
+    if tls_init:
+        spec["initContainers"] = tls_init
     if group.node_selector:
         spec["nodeSelector"] = dict(group.node_selector)
     if group.tolerations:
@@ -301,6 +302,7 @@ def ray_service(raw: dict[str, Any], cfg: ClusterConfig, settings: RenderSetting
     if cfg.api.grpc_port:
         ports.append({"name": "grpc", "port": cfg.api.grpc_port, "targetPort": cfg.api.grpc_port,
                       "appProtocol": "kubernetes.io/h2c"})
+    tls_env, _, tls_mounts, _ = ray_tls_parts(cfg, settings)
     cluster: Obj = {
         "rayVersion": settings.ray_version,
         "enableInTreeAutoscaling": True,
@@ -311,8 +313,8 @@ def ray_service(raw: dict[str, Any], cfg: ClusterConfig, settings: RenderSetting
             "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"cpu": "500m", "memory": "512Mi"}},
             "securityContext": _hardened(),
             # The autoscaler dials the GCS too: with Ray's TLS on, with the pod's certificate.
-            "env": ray_tls_parts(cfg, settings)[0],
-            "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *ray_tls_parts(cfg, settings)[2]],
+            "env": tls_env,
+            "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *tls_mounts],
         },
         "headGroupSpec": {
             "rayStartParams": _start_params(settings.head, head=True),

@@ -99,6 +99,11 @@ class RouterConfig(Strict):
                                 "request_timeout_s.")
     teaching: TeachingConfig = Field(default_factory=TeachingConfig,
                                      description="What traffic teaches the tuner, and each client's weight.")
+    engine_lane: bool = Field(
+        True, description=(
+            "A router streams a generation straight from an engine replica on its own node, over a Unix socket "
+            "in Ray's session folder (deployments/engine_lane.py), instead of through a Ray Serve handle call: "
+            "while every replica of the pool is on the router's node. Off: every call by the handle."))
 
     @field_validator("default_mode")
     @classmethod

@@ -8,6 +8,7 @@ inline (`{"config": {...}}`) or as a path (`{"config_path": "..."}`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Optional
 
@@ -25,8 +26,10 @@ from cluster.routing.classifier import classify
 from deployments.drafter import DrafterServer
 from deployments.engine import EngineServer, engine_kwargs, start_vllm, within_startup_timeout
 from deployments.engine_death import retire_process
+from deployments.engine_lane import LaneServer, lane_path, node_lane_folder
 from deployments.router import Router
 from deployments.router_door import DOOR_DRAIN_S, Doors
+from deployments.router_lane import Lanes
 from deployments.vllm_openai import build_openai_app, server_args
 
 log = logging.getLogger("specserve.app")
@@ -58,6 +61,25 @@ class EngineReplica(EngineServer):
 
         super().__init__(pool_name, pool, pool.model, engine, retire=retire_process,
                          drafter_endpoint=drafter_endpoint if drafter is not None else None)
+        folder = node_lane_folder() if config.router.engine_lane else None
+        if folder is not None:
+            try:
+                self.lane = await LaneServer(lane_path(folder, pool_name, self.replica), self.generate,
+                                             pool.max_ongoing_requests, pool.max_queued_requests).start()
+            except OSError as e:
+                log.warning("pool %s: no local lane (%s); the router calls this replica by its handle", pool_name, e)
+
+    async def __del__(self):
+        """Serve's graceful stop, after its own calls drained: the lane stops taking calls, its calls
+        under way get DOOR_DRAIN_S to end, then the engine stops."""
+        lane = getattr(self, "lane", None)
+        if lane is not None:
+            lane.close()
+            for _ in range(int(DOOR_DRAIN_S * 10)):
+                if lane.ongoing == 0:
+                    break
+                await asyncio.sleep(0.1)
+        self.shutdown()
 
 
 class DrafterReplica(DrafterServer):
@@ -83,7 +105,8 @@ class RouterReplica(Router):
                                                               on_redis_error=metrics.tuning_redis_error),
                          classifier=_make_classifier(), auth=auth, metrics=metrics,
                          autoscale=_make_autoscale(config, on_malformed=lambda pool: metrics.failure(
-                             "autoscale_record", "malformed")))
+                             "autoscale_record", "malformed")),
+                         lanes=Lanes(node_lane_folder()) if config.router.engine_lane else None)
         self.doors = None
         if config.api.door == "router":
             self.doors = await Doors(self, config, on_refused=lambda reason: metrics.door_refused.inc(

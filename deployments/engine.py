@@ -89,6 +89,7 @@ class EngineServer(OpenAIDoor):
         self._drafter_watch: Optional[asyncio.Task] = None
         self._lookup_attached = False  # pools with the lookup proposer: its runner handed in
         self._lookup_tried = float("-inf")
+        self.lane: Any = None  # deployments.engine_lane.LaneServer, started by the Serve replica
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -295,7 +296,9 @@ class EngineServer(OpenAIDoor):
         """Ray Serve's custom autoscaling metrics of this replica (`cluster.autoscale.policy.ReplicaMetrics`):
         requests in the engine, and over the window: finished requests, tokens and accepted tokens per
         second, p99 TPOT and TTFT (-1 when none finished), mean K. Ray averages them per replica."""
+        lane = getattr(self, "lane", None)  # calls on the local lane, which Serve does not count
         return {"unfinished": float(self.engine.get_num_unfinished_requests()),
+                "lane_ongoing": float(lane.ongoing if lane is not None else 0),
                 **self._finished.summary(time.monotonic())}
 
     async def check_health(self) -> None:
@@ -331,6 +334,9 @@ class EngineServer(OpenAIDoor):
         if getattr(self, "_shut", False):
             return
         self._shut = True
+        lane = getattr(self, "lane", None)
+        if lane is not None:
+            lane.close()
         if getattr(self, "_dead", "") is None:  # a stopped engine is not a dead one: nothing to retire
             self._dead = "the replica is shutting down"
         watch = getattr(self, "_drafter_watch", None)

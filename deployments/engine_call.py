@@ -3,7 +3,9 @@ one retry when a replica (or its vLLM engine core) dies before any output, an un
 cancelled (which aborts it in vLLM), and Ray's and vLLM's failures mapped to typed API errors.
 
 The engine handle is injected (a Ray Serve DeploymentHandle, or a test double with its call shape:
-`handle.options(stream=True).generate.remote(req)` -> async iterator with cancel()).
+`handle.options(stream=True).generate.remote(req)` -> async iterator with cancel()). So is the local
+lane (`deployments.router_lane`): `lane(req, start)` -> a call of the same shape that falls back to
+`start()`, the handle call, when no lane of the pool answers.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, Optional
 
 from cluster.api.types import ApiError, ErrorCode
 from cluster.routing.deadline import RETRY_AFTER_S, Bounds, engine_wait, expired
 from cluster.routing.decision import Decision
 from deployments.engine import EngineChunk, EngineRequest
 from deployments.engine_death import RETIRE_GRACE_S, EngineDead
+from deployments.router_lane import LaneBusy, LaneGone
 
 log = logging.getLogger("specserve.router")
 
@@ -27,6 +30,7 @@ DEAD_ENGINE_RETRY_PAUSE_S = 2 * RETIRE_GRACE_S
 
 
 async def engine_chunks(handle: Any, bounds: Bounds, deadline_s: float, d: Decision, ereq: EngineRequest,
+                        lane: Optional[Callable[[EngineRequest, Callable[[], Any]], Any]] = None,
                         ) -> AsyncIterator[EngineChunk]:
     """The engine's chunks for one request, with every wait bounded (`cluster.routing.deadline`): the first
     chunk within router.first_token_timeout_s, each later one within router.stream_idle_timeout_s
@@ -34,9 +38,12 @@ async def engine_chunks(handle: Any, bounds: Bounds, deadline_s: float, d: Decis
     replica (or its engine core) that dies before the first chunk is retried once on the pool
     (nothing was delivered yet), within the same deadline (`retry_pause_s`); after that the stream
     ends with UNAVAILABLE. An unfinished call is cancelled, which aborts the request in vLLM and
-    frees its KV cache."""
+    frees its KV cache. `lane`: the pool's local lane, tried before the handle (see module doc)."""
+    def start() -> Any:
+        return handle.options(stream=True).generate.remote(ereq)
+
     for attempt in (1, 2):
-        gen = handle.options(stream=True).generate.remote(ereq)
+        gen = lane(ereq, start) if lane is not None else start()
         started = done = False
         try:
             while not done:
@@ -92,7 +99,7 @@ def map_error(e: Exception, rid: str, d: Decision) -> ApiError:
     from ray.exceptions import TaskCancelledError
     from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
-    if isinstance(e, BackPressureError):
+    if isinstance(e, (BackPressureError, LaneBusy)):
         return ApiError(ErrorCode.RESOURCE_EXHAUSTED, f"pool {d.pool!r} is overloaded; retry later",
                         retry_after_s=RETRY_AFTER_S)
     if isinstance(e, (asyncio.CancelledError, RequestCancelledError, TaskCancelledError)):
@@ -117,7 +124,7 @@ def _replica_gone(e: BaseException) -> bool:
     from ray.serve.exceptions import DeploymentUnavailableError
 
     return isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError,
-                          EngineDead))
+                          EngineDead, LaneGone))
 
 
 def _cancel(gen: Any, rid: str) -> None:

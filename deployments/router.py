@@ -66,6 +66,7 @@ class Router(HttpDoor, GrpcDoor):
         auth: Optional[ApiKeyStore] = None,  # None: no API key required
         metrics: Any = None,  # cluster.ops.metrics.RouterMetrics (optional)
         autoscale: Any = None,  # cluster.autoscale.ray_policy.AutoscaleRecords: the autoscaler's decisions (optional)
+        lanes: Any = None,  # deployments.router_lane.Lanes: the engine replicas' lanes on this node (optional)
     ):
         self.config = config
         self.engines = engines
@@ -78,6 +79,7 @@ class Router(HttpDoor, GrpcDoor):
         self.auth = auth
         self.metrics = metrics
         self.autoscale = autoscale
+        self.lanes = lanes
         self._caps: dict[str, tuple[float, Optional[list[tuple[int, int]]]]] = {}  # pool -> (time, table)
         # Engine replicas' own load reports, sampled in the background (see _poll_load).
         self.engine_load: dict[str, dict[str, tuple[float, float]]] = {name: {} for name in config.pools}
@@ -252,7 +254,8 @@ class Router(HttpDoor, GrpcDoor):
         mark = self.meter.mark(domain, time.monotonic())
         replica = ""
         try:
-            async with aclosing(engine_chunks(self.engines[d.pool], self.bounds, deadline_s, d, ereq)) as chunks:
+            async with aclosing(engine_chunks(self.engines[d.pool], self.bounds, deadline_s, d, ereq,
+                                              lane=self._lane(d.pool))) as chunks:
                 async for chunk in chunks:
                     now = time.perf_counter()
                     replica = chunk.replica or replica
@@ -288,6 +291,17 @@ class Router(HttpDoor, GrpcDoor):
             self.meter.change(domain, -1, time.monotonic())
             if replica:
                 self._note_finished(d.pool, replica)
+
+    def _lane(self, pool: str) -> Optional[Callable[[EngineRequest, Callable[[], Any]], Any]]:
+        """The pool's local lane (`deployments.router_lane`) when every replica whose load report is
+        fresh has one on this node; else None (the call goes by the pool's handle)."""
+        if self.lanes is None:
+            return None
+        now = time.monotonic()
+        reported = [r for r, (t, _) in self.engine_load[pool].items() if now - t <= LOAD_REPORT_MAX_AGE_S]
+        if not self.lanes.usable(pool, reported):
+            return None
+        return lambda ereq, start: self.lanes.call(pool, ereq, start)
 
     def _note_finished(self, pool: str, replica: str) -> None:
         """Remember when a request left `replica` (see `pool_load`); forget what no report predates."""
@@ -354,6 +368,8 @@ class Router(HttpDoor, GrpcDoor):
         pools = {}
         for n, p in self.config.pools.items():
             entry: dict[str, Any] = {"method": p.method.value, "max_k": p.max_k, "inflight": self.inflight[n]}
+            if self.lanes is not None:  # the pool's lanes on this router's node, and calls that took one
+                entry["lanes"] = {"local": len(self.lanes.local(n)), "calls": self.lanes.calls.get(n, 0)}
             try:
                 entry["engine"] = await asyncio.wait_for(self.engines[n].load.remote(), timeout=5)
             except Exception as e:  # noqa: BLE001 - status reports what it could not read

@@ -34,6 +34,7 @@ log = logging.getLogger("specserve.autoscale")
 RECORD_TTL_S = 60
 MAX_RECORD_BYTES = 64 * 1024  # a published record is ~1-4 KiB
 MAX_RECORD_DEPTH = 6  # record -> snapshot -> replicas -> one replica's metrics: 4 levels
+LANE_METRIC = "lane_ongoing"
 CUSTOM_METRICS = ("unfinished", "finished", "tokens_per_s", "accepted_per_s", "tpot_p99_s", "ttft_p99_s", "mean_k")
 
 
@@ -98,7 +99,8 @@ def _redis_client(redis_cfg: Mapping[str, Any], timeout_s: float):
 
 
 def snapshot_from_context(ctx: Any, plain_step_s: tuple = ()) -> "Any":
-    """Ray's AutoscalingContext -> PoolSnapshot (per-replica custom metrics as averaged by Ray)."""
+    """Ray's AutoscalingContext -> PoolSnapshot (per-replica custom metrics as averaged by Ray); the
+    pool's load is Serve's count of calls plus the replicas' calls on their local lanes."""
     agg = ctx.aggregated_metrics or {}
     ids = {rid for m in CUSTOM_METRICS for rid in agg.get(m, {})}
     replicas = []
@@ -107,8 +109,11 @@ def snapshot_from_context(ctx: Any, plain_step_s: tuple = ()) -> "Any":
         vals = {m: v for m, v in vals.items() if math.isfinite(v)}  # readers refuse records with NaN / inf
         name = getattr(rid, "unique_id", None) or str(rid)
         replicas.append(ReplicaMetrics(replica=str(name), **vals))
+    # Serve counts the calls its handles made; the calls on the replicas' local lanes, which it does not
+    # see, each replica reports itself (`lane_ongoing`, deployments/engine_lane.py).
+    lane = sum(float(v) for v in agg.get(LANE_METRIC, {}).values() if math.isfinite(float(v)))
     return PoolSnapshot(now_s=float(ctx.current_time or time.time()), running_replicas=int(ctx.current_num_replicas),
-                        target_replicas=int(ctx.target_num_replicas), load=float(ctx.total_num_requests),
+                        target_replicas=int(ctx.target_num_replicas), load=float(ctx.total_num_requests) + lane,
                         replicas=tuple(replicas), plain_step_s=tuple(plain_step_s))
 
 

@@ -116,3 +116,18 @@ def test_the_policy_publishes_no_non_finite_number():
     verdict, _ = decide(snap, AutoscalingConfig())
     raw = json.dumps({**verdict.record("ngram", snap), "snapshot": snap.to_dict()}, allow_nan=False)
     assert parse_record(raw)["target"] == 1
+
+
+def test_the_pool_load_counts_the_calls_on_local_lanes():
+    """Serve counts only its handles' calls; each replica's `lane_ongoing` (its local lane's calls,
+    deployments/engine_lane.py) is added, non-finite reports left out."""
+    from types import SimpleNamespace
+
+    from cluster.autoscale.ray_policy import snapshot_from_context
+
+    ctx = SimpleNamespace(aggregated_metrics={"lane_ongoing": {"r1": 5.0, "r2": 2.5, "r3": float("nan")},
+                                              "unfinished": {"r1": 7.0}},
+                          current_time=NOW, current_num_replicas=2, target_num_replicas=2, total_num_requests=3)
+    assert snapshot_from_context(ctx).load == 10.5
+    ctx.aggregated_metrics = {"unfinished": {"r1": 7.0}}
+    assert snapshot_from_context(ctx).load == 3.0

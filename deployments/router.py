@@ -32,6 +32,7 @@ from cluster.routing.route import (Decision, LoadMeter, PoolView, cap_at_admissi
                                    with_load)
 from deployments.engine import EngineChunk, EngineRequest
 from deployments.engine_call import RETRY_AFTER_S, engine_chunks, map_error
+from deployments.router_lane import REPORT_WINDOW_S
 from deployments.router_grpc import GrpcDoor
 from deployments.router_http import HttpDoor
 
@@ -293,12 +294,12 @@ class Router(HttpDoor, GrpcDoor):
                 self._note_finished(d.pool, replica)
 
     def _lane(self, pool: str) -> Optional[Callable[[EngineRequest, Callable[[], Any]], Any]]:
-        """The pool's local lane (`deployments.router_lane`) when every replica whose load report is
-        fresh has one on this node; else None (the call goes by the pool's handle)."""
+        """The pool's local lane (`deployments.router_lane`) when every replica that reported its load
+        lately has one on this node; else None (the call goes by the pool's handle)."""
         if self.lanes is None:
             return None
         now = time.monotonic()
-        reported = [r for r, (t, _) in self.engine_load[pool].items() if now - t <= LOAD_REPORT_MAX_AGE_S]
+        reported = [r for r, (t, _) in self.engine_load[pool].items() if now - t <= REPORT_WINDOW_S]
         if not self.lanes.usable(pool, reported):
             return None
         return lambda ereq, start: self.lanes.call(pool, ereq, start)

@@ -3,9 +3,10 @@ pool are on this node, whether the pool may use them, and one call on a lane wit
 Serve streaming call (an async iterator with `cancel()`), so `deployments.engine_call` bounds,
 retries and cancels it as it does a handle call.
 
-A pool's calls take the lane only while every replica that reported its load in the last seconds
-has a lane on this node (`usable`): a pool with replicas on other nodes stays on Serve's handle,
-whose routing sees them all. Among the lanes, a call goes to the one with the fewest of this
+A pool's calls take the lane only while every replica that reported its load in the last
+`REPORT_WINDOW_S` has a lane on this node (`usable`): a pool with replicas on other nodes stays on
+Serve's handle, whose routing sees them all. The window is long so that a load poll delayed under
+load does not move a pool's calls between the lane and the handle, whose bounds are counted apart. Among the lanes, a call goes to the one with the fewest of this
 router's calls (round robin on ties). A lane that refuses the connection (its replica is gone) is
 forgotten and the next one tried; with none left the call goes by the handle, so a lane never costs
 a call its retry.
@@ -24,6 +25,8 @@ from deployments.engine_death import EngineDead
 from deployments.engine_types import EngineChunk, EngineRequest
 
 LIST_TTL_S = 1.0  # the lane folder is listed at most this often
+REPORT_WINDOW_S = 30.0  # replicas whose load report is newer than this count as the pool's
+REFUSED_TTL_S = 10.0  # a lane that refused a connection is left out of listings this long
 CONNECT_TIMEOUT_S = 1.0
 
 
@@ -70,6 +73,7 @@ class Lanes:
         self.calls: dict[str, int] = {}  # pool -> calls that took a lane
         self._listed: tuple[float, dict[str, dict[str, str]]] = (float("-inf"), {})
         self._turn = itertools.count()
+        self._refused: dict[str, float] = {}  # lane path -> when it refused a connection
 
     def local(self, pool: str, now: Optional[float] = None) -> dict[str, str]:
         """The pool's lanes on this node: replica suffix -> socket path."""
@@ -83,20 +87,24 @@ class Lanes:
                 names = []
             for name in names:
                 tag, _, rest = name.partition("-")
-                if rest.endswith(".sock"):
-                    by_tag.setdefault(tag, {})[rest[:-5]] = os.path.join(self.folder, name)
+                path = os.path.join(self.folder, name)
+                if rest.endswith(".sock") and now - self._refused.get(path, float("-inf")) > REFUSED_TTL_S:
+                    by_tag.setdefault(tag, {})[rest[:-5]] = path
             self._listed = (now, by_tag)
         return by_tag.get(pool_tag(pool), {})
 
     def usable(self, pool: str, reported: Iterable[str]) -> bool:
         """Whether the pool's calls take a lane: it has lanes here and every replica in `reported`
-        (ids `<pool>-<suffix>` of the replicas whose load reports are fresh) is among them."""
+        (ids `<pool>-<suffix>` of the replicas that reported their load within REPORT_WINDOW_S) is
+        among them."""
         lanes = self.local(pool)
-        reported = list(reported)
-        return bool(lanes) and bool(reported) and all(r.rsplit("-", 1)[-1] in lanes for r in reported)
+        return bool(lanes) and all(r.rsplit("-", 1)[-1] in lanes for r in reported)
 
-    def forget(self, path: str) -> None:
-        """A lane that refused a connection: its replica is gone."""
+    def forget(self, path: str, now: Optional[float] = None) -> None:
+        """A lane that refused a connection: its replica is gone (its socket file may stay behind)."""
+        now = time.monotonic() if now is None else now
+        self._refused = {p: t for p, t in self._refused.items() if now - t <= REFUSED_TTL_S}
+        self._refused[path] = now
         for lanes in self._listed[1].values():
             for suffix, p in list(lanes.items()):
                 if p == path:

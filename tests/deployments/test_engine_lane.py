@@ -157,6 +157,8 @@ def test_a_lane_whose_replica_is_gone_is_skipped_for_the_next_then_the_handle(tm
         call = lanes.call("ngram", REQ, handle_call)
         assert [c.replica for c in await drain(call)] == ["r2"] and call.via == "handle"
         assert lanes.local("ngram") == {}
+        lanes._listed = (float("-inf"), {})
+        assert lanes.local("ngram") == {}  # listed again: the refused lane stays out for a while
         engine = Engine(n=1)
         await serve(tmp_path, engine, replica="ngram-live")
         lanes._listed = (float("-inf"), {})
@@ -172,8 +174,8 @@ def test_lanes_are_used_only_while_every_fresh_replica_of_the_pool_has_one(tmp_p
         lanes = Lanes(str(tmp_path / "lanes"))
         assert lanes.usable("ngram", ["ngram-a1", "ngram-b2"]) and lanes.usable("ngram", ["ngram-a1"])
         assert not lanes.usable("ngram", ["ngram-a1", "ngram-c3"])  # one replica is on another node
-        assert not lanes.usable("ngram", [])  # nothing reported yet
-        assert not lanes.usable("draft", ["draft-a1"])  # another pool's lanes are not its own
+        assert lanes.usable("ngram", [])  # nothing reported yet: the lanes here are all there is
+        assert not lanes.usable("draft", ["draft-a1"]) and not lanes.usable("draft", [])  # no lane of its own
     asyncio.run(run())
 
 
@@ -201,8 +203,9 @@ def _request(body):
 
 
 def test_the_router_streams_by_the_lane_once_the_pool_reported_and_maps_busy_to_429(tmp_path):
-    """Through the router's HTTP door: the first call (no load report yet) goes by the handle; with
-    the replica's report fresh, calls take its lane (the handle sees none); a full replica is 429."""
+    """Through the router's HTTP door: while a replica without a lane here has reported lately, calls
+    go by the handle; once only the lane's replica has, they take its lane (the handle sees none);
+    a full replica is 429."""
     import time
 
     async def run():
@@ -216,8 +219,10 @@ def test_the_router_streams_by_the_lane_once_the_pool_reported_and_maps_busy_to_
                                               replica="ngram-abc")], req):
                 yield c
         server = await LaneServer(lane_path(router.lanes.folder, "ngram", "ngram-abc"), generate, 1, 0).start()
+        router.engine_load["ngram"]["ngram-e15e"] = (time.monotonic(), 0.0)  # on another node
         r = await router(_request(BODY))
         assert r.status_code == 200 and len(handles["ngram"].calls) == 1
+        router.engine_load["ngram"]["ngram-e15e"] = (time.monotonic() - 31, 0.0)  # gone for a while
         router.engine_load["ngram"]["ngram-abc"] = (time.monotonic(), 0.0)
         r = await router(_request(BODY))
         assert r.status_code == 200 and len(handles["ngram"].calls) == 1

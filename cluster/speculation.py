@@ -23,9 +23,10 @@ reports about what was used and what happened.
 
 from __future__ import annotations
 
+import bisect
 import enum
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 # Keys under SamplingParams.extra_args that carry the per-request K, and the pool's current
 # per-step cap table [(min_batch_size, k_cap), ...], into the engine's scheduler.
@@ -197,3 +198,22 @@ WORKLOAD_CLASSES = (
     "reasoning",
     "extraction",
 )
+
+
+# A pool's per-step K cap by batch size, as the router hands it to the engine (EXTRA_ARGS_K_CAP).
+KCapTable = Sequence[tuple[int, int]]  # [(min_batch_size, k_cap), ...] sorted by min_batch_size
+
+
+def k_cap_for_batch(batch_size: int, table: Optional[KCapTable]) -> Optional[int]:
+    """The K cap that applies at `batch_size`: the entry with the largest min_batch_size <= it.
+
+    >>> k_cap_for_batch(5, [(1, 6), (4, 2), (16, 0)])
+    2
+    >>> k_cap_for_batch(3, None) is None
+    True
+    """
+    if not table:
+        return None
+    starts = [start for start, _ in table]
+    i = bisect.bisect_right(starts, batch_size) - 1
+    return None if i < 0 else table[i][1]

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from cluster.api.types import ApiError, ErrorCode
 from cluster.routing.deadline import RETRY_AFTER_S, Bounds, engine_wait, expired
-from cluster.routing.decision import Decision
+from cluster.policy.decision import Decision
 from deployments.engine import EngineChunk, EngineRequest
 from deployments.engine_death import RETIRE_GRACE_S, EngineDead
 from deployments.router_lane import LaneBusy, LaneGone

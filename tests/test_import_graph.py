@@ -112,8 +112,8 @@ LAYERS = {  # a subpackage of cluster/ and what it may import of cluster/ beside
     "cluster.api": set(),
     "cluster.engine": set(),
     "cluster.state": {"cluster.policy"},
-    "cluster.policy": {"cluster.routing"},
-    "cluster.routing": {"cluster.api", "cluster.policy", "cluster.engine"},
+    "cluster.policy": set(),
+    "cluster.routing": {"cluster.api", "cluster.policy"},
     "cluster.autoscale": {"cluster.policy", "cluster.state", "cluster.routing", "cluster.ops.metrics"},
 }
 SHARED = ("cluster.config", "cluster.config_sections", "cluster.speculation", "cluster.percentile", "cluster.tls")

@@ -43,7 +43,6 @@ only wires them into vLLM.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from typing import Any, Optional, Sequence
@@ -51,7 +50,8 @@ from typing import Any, Optional, Sequence
 from cluster.engine.draft_gate import DraftGate, bucket_label, bucket_of
 from cluster.engine.draft_take import ASKED_ATTR, CARRIED_ATTR, carried_from, skip_empty_takes
 from cluster.engine.worker_wait import block_on_replies
-from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP, EXTRA_ARGS_MODE, SpecMode
+from cluster.speculation import (EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP, EXTRA_ARGS_MODE,
+                                 KCapTable, SpecMode, k_cap_for_batch)  # noqa: F401 - re-exported
 from cluster.engine.step_k import (PRIOR_RELATIVE_COST, RequestDrafts, StepCost, StepCostLine, acceptance, batch_optimism,
                                    choose_step_ks, next_acceptance)
 
@@ -70,24 +70,6 @@ GATE_LOG_EVERY_S = 120.0  # how often the engine core logs the draft gate's tabl
 
 # Under vLLM's logger: the scheduler runs in the engine core's process, where only vLLM configures logging.
 log = logging.getLogger("vllm.specserve.scheduler")
-KCapTable = Sequence[tuple[int, int]]  # [(min_batch_size, k_cap), ...] sorted by min_batch_size
-
-
-def k_cap_for_batch(batch_size: int, table: Optional[KCapTable]) -> Optional[int]:
-    """The K cap that applies at `batch_size`: the entry with the largest min_batch_size <= it.
-
-    >>> k_cap_for_batch(5, [(1, 6), (4, 2), (16, 0)])
-    2
-    >>> k_cap_for_batch(3, None) is None
-    True
-    """
-    if not table:
-        return None
-    starts = [start for start, _ in table]
-    i = bisect.bisect_right(starts, batch_size) - 1
-    return None if i < 0 else table[i][1]
-
-
 def requested_k(extra_args: Optional[dict[str, Any]], k_max: int) -> int:
     """The K a request asked for (K_max when it names none; clamped to 0..K_max)."""
     if not extra_args or EXTRA_ARGS_K not in extra_args:

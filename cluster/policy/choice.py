@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from cluster.config import RouterConfig
-from cluster.routing.decision import Decision, PoolView
+from cluster.policy.decision import Decision, PoolView
 from cluster.policy.cells import MAX_K, TuningView, load_bucket
 from cluster.policy.cost import best_k, joining_step_rel, score, score_at, step_cost, step_overheads
 from cluster.policy.model import class_model, class_runs, expected_tokens

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from cluster.routing.decision import PoolView
+from cluster.policy.decision import PoolView
 from cluster.policy.cells import BUCKET_BATCH, BUCKET_NAMES, CellStats, TuningView, load_bucket
 from cluster.policy.model import expected_tokens_per_step
 from cluster.policy.params import DEFAULT_PARAMS, PRIOR_DRAFT_COST, PRIOR_DRAFT_STEP_COST, PolicyParams

@@ -13,10 +13,9 @@ from typing import Optional
 
 from cluster.api.types import ApiError, ErrorCode
 from cluster.config import ClusterConfig, PoolConfig, RouterConfig
-from cluster.routing.decision import Decision, OtherMethod, PoolView
+from cluster.policy.decision import Decision, OtherMethod, PoolView
 from cluster.policy import TuningView, choose_auto, k_cap_table
-from cluster.speculation import SpecMode
-from cluster.engine.vllm_scheduler import k_cap_for_batch
+from cluster.speculation import SpecMode, k_cap_for_batch
 
 
 # What a response reports of its decision (`specserve.decision`, HTTP): the load bucket it was

@@ -26,7 +26,7 @@ from cluster.policy import (
 from cluster.routing.route import PoolView
 from cluster.speculation import WORKLOAD_CLASSES, SpecMode, SpecStats
 from cluster.state.tuning_cells import cell_from_requests, parse_cell
-from cluster.engine.vllm_scheduler import k_cap_for_batch
+from cluster.speculation import k_cap_for_batch
 from tests.paths import LOCAL_CPU
 
 ROUTER = RouterConfig()
@@ -1098,7 +1098,7 @@ def test_a_lookup_method_with_only_a_prior_does_not_win_by_drafting_every_step()
     n-gram 2.02 against suffix's 1.94 and moved the class off suffix (BENCHMARKS.md 2.1); with the
     measured share of drafting steps (`prior_draft_rate`) the two compare like for like."""
     from cluster.policy.model import prior_draft_rate
-    from cluster.routing.decision import OtherMethod
+    from cluster.policy.decision import OtherMethod
 
     rng = random.Random(7)
     reqs = [replace(simulate(0.74, 16, 60, rng, drafted_len=lambda r: r.choice([0, 0, 3, 8])), mode="suffix")
@@ -1121,7 +1121,7 @@ def test_a_lookup_method_with_only_a_prior_does_not_win_by_drafting_every_step()
 def test_auto_skips_keeps_ngram_out_of_auto_choice_and_exploration():
     """A pool that keeps n-gram out of auto's choice (`suffix.auto_ngram: false`) gets suffix or none
     from the policy even where n-gram's priors score higher, exploring or not."""
-    from cluster.routing.decision import OtherMethod
+    from cluster.policy.decision import OtherMethod
 
     def pool(skips):
         return PoolView(name="ngram", model="m", method=SpecMode.NGRAM, max_k=6, prior_alpha=(("*", 0.9),),

@@ -9,7 +9,7 @@ import pytest
 
 from cluster.api.types import GenerateRequest
 from cluster.config import RouterConfig
-from cluster.routing.decision import Decision
+from cluster.policy.decision import Decision
 from cluster.speculation import WORKLOAD_CLASSES, SpecMode
 from cluster.policy.teaching import (EXCLUSION_REASONS, MAX_CLIENTS, OTHERS, ClientBudget, Lesson, Teacher, client_id,
                                      teaches_tuner)

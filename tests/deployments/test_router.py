@@ -13,7 +13,7 @@ from starlette.requests import Request
 
 from cluster.config import load_config
 from cluster.speculation import WORKLOAD_CLASSES
-from cluster.engine.vllm_scheduler import k_cap_for_batch
+from cluster.speculation import k_cap_for_batch
 from deployments.engine import EngineChunk, EngineInputError
 from deployments.router import Router
 from tests.paths import LOCAL_CPU

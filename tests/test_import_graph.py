@@ -108,6 +108,15 @@ def test_serving_code_never_imports_the_tools():
             if any(d.startswith(TOOLS) for d in graph[m])} == {}
 
 
+def test_the_library_never_imports_the_deployments():
+    """`deployments/` imports `cluster/`, never the other way round: `up` and the KubeRay render reach
+    the application by its import path (`cluster.ops.placement.APP_IMPORT_PATH`). The tools, which
+    measure the deployments' classes in process, are the exception until they leave `cluster/`."""
+    graph = _graph()
+    assert {m: sorted(d for d in deps if d.startswith("deployments")) for m, deps in graph.items()
+            if m.startswith("cluster") and not m.startswith(TOOLS) and any(d.startswith("deployments") for d in deps)} == {}
+
+
 LAYERS = {  # a subpackage of cluster/ and what it may import of cluster/ besides the shared modules
     "cluster.api": set(),
     "cluster.engine": set(),

@@ -31,6 +31,7 @@ from cluster.engine.draft_wire import SECRET_ENV
 from cluster.routing.deadline import proxy_timeout_s
 from cluster.k8s.kustomize import build
 from cluster.ops.placement import (
+    APP_IMPORT_PATH,
     GRPC_SERVICER_FUNCTIONS, drafter_deployment_options, engine_deployment_options, grpc_reflection,
     router_deployment_options, ray_node_env, used_drafters,
 )
@@ -39,7 +40,6 @@ from cluster.k8s.render_settings import (  # noqa: F401  (the overlay settings a
 )
 from cluster.k8s.secret_scan import literal_secrets
 
-IMPORT_PATH = "deployments.app:build_app"
 RUN_AS_UID = 1000  # the `specserve` user of k8s/docker/Dockerfile.{cpu,gpu}
 GENERATED = "generated.yaml"
 Obj = dict[str, Any]
@@ -100,7 +100,7 @@ def serve_config(raw: dict[str, Any], cfg: ClusterConfig, settings: RenderSettin
             {
                 "name": cfg.name,
                 "route_prefix": "/",
-                "import_path": IMPORT_PATH,
+                "import_path": APP_IMPORT_PATH,
                 "args": {"config": raw},
                 "deployments": deployments,
             }

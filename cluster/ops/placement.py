@@ -27,6 +27,19 @@ GRPC_SERVICER_FUNCTIONS = [
 ]
 
 
+# The application's import path: what `specserve up` deploys and what the KubeRay Serve config names.
+# `cluster/` reaches the deployments only through it (they import the library, not the other way round).
+APP_IMPORT_PATH = "deployments.app:build_app"
+
+
+def app_builder():
+    """The function that builds the application (`deployments.app.build_app`), imported by its path."""
+    import importlib
+
+    module, _, attr = APP_IMPORT_PATH.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 # Ray Serve 2.60's gRPCOptions has no message-size field; its proxy reads this variable when it
 # starts (ray/serve/_private/constants.py: the server's max send and receive message length).
 GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"

@@ -19,6 +19,7 @@ from cluster.ops.cpu_pinning import node_cpus_env, pin_serving_processes
 from cluster.ops.local_nodes import LocalNodes
 from cluster.ops.models import prepare_all
 from cluster.ops.placement import (
+    app_builder,
     GRPC_SERVICER_FUNCTIONS, driver_log_levels, grpc_message_options, grpc_reflection, local_ray_env,
     placement_problems, ray_address_file, ray_address_record, ray_init_kwargs, used_drafters,
 )
@@ -50,7 +51,7 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
     from ray.serve import api as serve_api
     from ray.serve.config import gRPCOptions, HTTPOptions
 
-    from deployments.app import build_app
+    build_app = app_builder()
 
     for name, level in driver_log_levels(verbose).items():  # after `from ray import serve`: importing it sets ray.serve's
         logging.getLogger(name).setLevel(level)

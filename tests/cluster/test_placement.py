@@ -156,3 +156,11 @@ def test_a_record_whose_gcs_does_not_listen_is_stale():
         assert gcs_listening(address)
     assert not gcs_listening(address, timeout_s=0.5)  # closed
     assert not gcs_listening("[::1]:notaport")
+
+
+def test_the_app_import_path_names_the_builder_of_the_application():
+    """`up` and the KubeRay Serve config deploy the application by this path."""
+    from cluster.ops.placement import app_builder
+    from deployments.app import build_app
+
+    assert app_builder() is build_app

@@ -1,4 +1,4 @@
-"""The import graph of `cluster/` and `deployments/` has no cycle, counting imports inside functions
+"""The import graph of `cluster/`, `deployments/` and `tools/` has no cycle, counting imports inside functions
 (which hide a cycle from Python at import time but not from a reader)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("cluster", "deployments")
+PACKAGES = ("cluster", "deployments", "tools")
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:
@@ -93,16 +93,15 @@ def test_cluster_and_deployments_import_no_cycle():
     assert cycles(graph) == []
 
 
-TOOLS = ("cluster.bench", "cluster.distill")
-# The command line dispatches to the tools' own commands; nothing else that serves may load them.
-TOOL_DISPATCH = {"cluster.ops.cli"}
+TOOLS = ("tools",)
 
 
 def test_serving_code_never_imports_the_tools():
     """The bench and the distillation are tools: the serving path (router, engines, state, `up`)
-    starts without them, so their imports (matplotlib, training code) never load in a replica."""
+    starts without them, so their imports (matplotlib, training code) never load in a replica, and
+    the serving images carry no `tools/` (the command line finds them by name, `cluster.ops.cli`)."""
     graph = _graph()
-    serving = [m for m in graph if not m.startswith(TOOLS) and m not in TOOL_DISPATCH]
+    serving = [m for m in graph if not m.startswith(TOOLS)]
     assert len(serving) > 40
     assert {m: sorted(d for d in graph[m] if d.startswith(TOOLS)) for m in serving
             if any(d.startswith(TOOLS) for d in graph[m])} == {}
@@ -110,11 +109,10 @@ def test_serving_code_never_imports_the_tools():
 
 def test_the_library_never_imports_the_deployments():
     """`deployments/` imports `cluster/`, never the other way round: `up` and the KubeRay render reach
-    the application by its import path (`cluster.ops.placement.APP_IMPORT_PATH`). The tools, which
-    measure the deployments' classes in process, are the exception until they leave `cluster/`."""
+    the application by its import path (`cluster.ops.placement.APP_IMPORT_PATH`)."""
     graph = _graph()
     assert {m: sorted(d for d in deps if d.startswith("deployments")) for m, deps in graph.items()
-            if m.startswith("cluster") and not m.startswith(TOOLS) and any(d.startswith("deployments") for d in deps)} == {}
+            if m.startswith("cluster") and any(d.startswith("deployments") for d in deps)} == {}
 
 
 LAYERS = {  # a subpackage of cluster/ and what it may import of cluster/ besides the shared modules

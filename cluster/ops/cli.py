@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -19,7 +20,6 @@ from typing import Optional
 
 from cluster.autoscale.ray_policy import AutoscaleRecords
 from cluster.config import ConfigError, load_config
-from cluster.distill import cli as distill_cli
 from cluster.k8s.render import main as render_main
 from cluster.ops.models import prepare_all
 from cluster.ops.placement import (
@@ -283,6 +283,23 @@ def cmd_k8s(args) -> int:
     return render_main(args.render_args)
 
 
+# The tools' own commands (`tools/`, which import the serving packages, never the other way round).
+TOOL_COMMANDS = (
+    ("bench", "tools.bench.cli", "compare speculation configurations on a running cluster (side by side)"),
+    ("distill", "tools.distill.cli", "train a drafter for a target by self-distillation, evaluate and ship it"),
+)
+
+
+def _tool_cli(module: str):
+    """A tool's command module (`add_arguments`, `run`), or None where the tools are not installed."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is not None and e.name.split(".")[0] == "tools":
+            return None
+        raise
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -331,15 +348,16 @@ def build_parser() -> argparse.ArgumentParser:
     cc.add_argument("config")
     cc.set_defaults(func=cmd_check_config)
 
-    b = sub.add_parser("bench", help="compare speculation configurations on a running cluster (side by side)")
-    from cluster.bench import cli as bench_cli
-
-    bench_cli.add_arguments(b)
-    b.set_defaults(func=bench_cli.run)
-
-    d = sub.add_parser("distill", help="train a drafter for a target by self-distillation, evaluate and ship it")
-    distill_cli.add_arguments(d)
-    d.set_defaults(func=distill_cli.run)
+    for name, module, help_text in TOOL_COMMANDS:
+        tp = sub.add_parser(name, help=help_text)
+        tool = _tool_cli(module)
+        if tool is None:  # the serving images carry cluster/ and deployments/ only
+            tp.set_defaults(func=lambda args, name=name: sys.exit(
+                f"specserve {name}: the tools are not installed here (the repository's tools/ package: "
+                f"pip install -e '.[tools]' from a checkout)"))
+            continue
+        tool.add_arguments(tp)
+        tp.set_defaults(func=tool.run)
 
     k = sub.add_parser("k8s", help="Kubernetes tools: `specserve k8s render [--overlay NAME] [--check]`")
     k.add_argument("action", choices=["render"])

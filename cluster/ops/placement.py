@@ -6,6 +6,7 @@ used by `specserve up`, by the Serve config rendered for KubeRay, and by tests.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import json
 import logging
@@ -34,8 +35,6 @@ APP_IMPORT_PATH = "deployments.app:build_app"
 
 def app_builder():
     """The function that builds the application (`deployments.app.build_app`), imported by its path."""
-    import importlib
-
     module, _, attr = APP_IMPORT_PATH.partition(":")
     return getattr(importlib.import_module(module), attr)
 

@@ -1,6 +1,6 @@
 """A shipped drafter made whole at model preparation time (`shipped:<model>:<dir>` sources).
 
-The repository keeps only a drafter's own tensors and a manifest (`cluster.distill.ship.ship`
+The repository keeps only a drafter's own tensors and a manifest (`tools.distill.ship.ship`
 writes them); `assemble` adds the tensors it shares with its target, from the target's files, and
 refuses a target whose shape or embeddings differ from the one the drafter was trained against.
 """

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from cluster.bench import verdict as V
-from cluster.bench.metrics import Sample, Slo
-from cluster.bench.report import build_summary, render_markdown
+from tools.bench import verdict as V
+from tools.bench.metrics import Sample, Slo
+from tools.bench.report import build_summary, render_markdown
 
 
 def sample(config, prompt, tokens, latency, phase="compare", repeat=0, start=0.0, concurrency=1, ok=True,
@@ -229,7 +229,7 @@ def test_hindsight_choice_bounds_what_choosing_among_the_anchors_can_gain():
 
 
 def test_a_finished_run_is_rendered_again_from_its_samples(tmp_path):
-    from cluster.bench.report import rerender, write_results
+    from tools.bench.report import rerender, write_results
 
     samples = one_stream({"stock-ngram:3": 10.0, "stock-suffix": 14.0, "auto": 14.5}, n_prompts=6)
     summary = build_summary(samples, Slo(), anchors=("stock-ngram:3", "stock-suffix"))
@@ -242,7 +242,7 @@ def test_a_finished_run_is_rendered_again_from_its_samples(tmp_path):
 def test_part_of_a_mixed_run_is_reported_on_its_own(tmp_path):
     import dataclasses
 
-    from cluster.bench.report import rerender, write_results
+    from tools.bench.report import rerender, write_results
 
     qa = one_stream({"stock-suffix": 9.0, "auto": 10.0}, n_prompts=6)
     code = [dataclasses.replace(s, task="code", prompt_id="c" + s.prompt_id)

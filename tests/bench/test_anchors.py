@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.bench import anchors as A
-from cluster.bench import plan as P
+from tools.bench import anchors as A
+from tools.bench import plan as P
 from cluster.config import load_config
 from cluster.ops.placement import cpu_engine_env
 from tests.paths import LOCAL_CPU

@@ -1,7 +1,7 @@
 """The ramp harness's bookkeeping (timeline bins and per-phase summary) on hand-made samples."""
 
-from cluster.bench.autoscale_ramp import parse_phases, summarize, timeline, tpot_s
-from cluster.bench.metrics import Sample
+from tools.bench.autoscale_ramp import parse_phases, summarize, timeline, tpot_s
+from tools.bench.metrics import Sample
 
 
 def _s(start, latency, ttft, tokens, k, ok=True):

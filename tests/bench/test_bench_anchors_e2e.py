@@ -10,11 +10,11 @@ import time
 import pytest
 
 from .fake_openai import FakeServer
-from cluster.bench import cli
-from cluster.bench import plan as P
-from cluster.bench.report import load_samples
-from cluster.bench.runner import Job, Runner
-from cluster.bench.workload import Prompt
+from tools.bench import cli
+from tools.bench import plan as P
+from tools.bench.report import load_samples
+from tools.bench.runner import Job, Runner
+from tools.bench.workload import Prompt
 from cluster.client import AsyncSpecServeClient
 
 

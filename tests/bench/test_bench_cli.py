@@ -6,8 +6,8 @@ import json
 import pytest
 
 from .fake_openai import FakeServer
-from cluster.bench import cli
-from cluster.bench.report import load_samples
+from tools.bench import cli
+from tools.bench.report import load_samples
 
 
 def run_cli(argv):

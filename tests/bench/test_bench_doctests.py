@@ -6,8 +6,8 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("name", ["cluster.bench.plan", "cluster.bench.anchors", "cluster.bench.trace", "cluster.bench.phases", "cluster.bench.prior_alpha",
-                                  "cluster.bench.verdict", "cluster.bench.bootstrap", "cluster.bench.stalls", "cluster.bench.autogroup"])
+@pytest.mark.parametrize("name", ["tools.bench.plan", "tools.bench.anchors", "tools.bench.trace", "tools.bench.phases", "tools.bench.prior_alpha",
+                                  "tools.bench.verdict", "tools.bench.bootstrap", "tools.bench.stalls", "tools.bench.autogroup"])
 def test_docstring_examples_hold(name):
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

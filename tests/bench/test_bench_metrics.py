@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from cluster.bench.metrics import (Sample, Slo, best_k_per_mode, check_lossless, distribution, first_divergence,
+from tools.bench.metrics import (Sample, Slo, best_k_per_mode, check_lossless, distribution, first_divergence,
                                    itl_s, logit_gap, meets_slo, paired_ratios, pooled_rate, ratio_spread,
                                    repeat_spread, round_rates, speedup, summarize, tpot_s)
 
@@ -153,7 +153,7 @@ def test_sample_json_roundtrip_keeps_int_token_keys():
 
 
 def test_the_k_column_counts_exploration_draws():
-    from cluster.bench.report import _kdist
+    from tools.bench.report import _kdist
 
     assert _kdist({"ngram:5": 3, "none:0": 1}, 1) == "ngram:5×3 none:0×1 (explored 1)"
     assert _kdist({"ngram:5": 3}) == "ngram:5×3"

@@ -5,8 +5,8 @@ from collections import Counter
 
 import pytest
 
-from cluster.bench import plan as P
-from cluster.bench.workload import (DEFAULT_PROMPTS_PATH, WorkloadError, interleave_tasks, load_prompts, parse_lines,
+from tools.bench import plan as P
+from tools.bench.workload import (DEFAULT_PROMPTS_PATH, WorkloadError, interleave_tasks, load_prompts, parse_lines,
                                     select, task_of)
 
 POOLS = [{"name": "ngram", "method": "ngram", "max_k": 6, "modes": ["ngram", "none"]},
@@ -134,7 +134,7 @@ def test_sweep_sizes_and_estimate():
 
 
 def test_full_and_quick_presets_fit_their_budgets_at_12_tokens_per_s():
-    from cluster.bench.cli import PRESETS
+    from tools.bench.cli import PRESETS
 
     # quick: a few minutes; full: about an hour, 27 min of it the sweep's three rounds
     for name, budget_s, configs in (("quick", 7 * 60, P.quick_configs(POOLS)), ("full", 65 * 60, P.discover_configs(POOLS))):
@@ -208,8 +208,8 @@ def test_every_config_name_makes_a_request_id_the_api_accepts():
     """A config name such as `ngram:3+2` goes into the request id, `+` and all: every one must be an id
     the API accepts, or that config's rows are lost."""
     from cluster.api.types import GenerateRequest
-    from cluster.bench.runner import Job, Runner
-    from cluster.bench.workload import Prompt
+    from tools.bench.runner import Job, Runner
+    from tools.bench.workload import Prompt
 
     runner = Runner(None, model=None, max_tokens=4)
     prompt = Prompt("heldout-1", "qa", "qa", "hi")
@@ -223,8 +223,8 @@ def test_sequential_requests_are_apart_by_the_settle_pause():
     import asyncio
     import time
 
-    from cluster.bench.runner import Job, Runner
-    from cluster.bench.workload import Prompt
+    from tools.bench.runner import Job, Runner
+    from tools.bench.workload import Prompt
 
     runner = Runner(None, model=None, max_tokens=4)
     starts = []

@@ -2,8 +2,8 @@
 
 import pytest
 
-from cluster.bench.report import _router_lines
-from cluster.bench.router_verdict import router_verdict
+from tools.bench.report import _router_lines
+from tools.bench.router_verdict import router_verdict
 
 
 def _row(tok_s, tasks):
@@ -124,8 +124,8 @@ def test_one_stream_spread_over_repeats():
 
 
 def test_build_summary_pools_sweep_rounds_not_the_wall_span():
-    from cluster.bench.metrics import Sample
-    from cluster.bench.report import build_summary, render_markdown
+    from tools.bench.metrics import Sample
+    from tools.bench.report import build_summary, render_markdown
 
     def sweep(cfg, r, start, lat, tokens=12):
         return Sample(phase="sweep", config=cfg, prompt_id="p", category="qa", task="qa", temperature=0.0,

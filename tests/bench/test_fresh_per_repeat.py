@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 from .fake_openai import FakeServer
-from cluster.bench import cli
-from cluster.bench.phases import PhaseRun
-from cluster.bench.report import load_samples
-from cluster.bench.split import UNTOUCHED, keep, split_half
-from cluster.bench.workload import load_prompts, select, select_per_repeat
+from tools.bench import cli
+from tools.bench.phases import PhaseRun
+from tools.bench.report import load_samples
+from tools.bench.split import UNTOUCHED, keep, split_half
+from tools.bench.workload import load_prompts, select, select_per_repeat
 
-REPEATED = Path(cli.__file__).resolve().parent.parent / "data" / "repeated-structure.jsonl"
+REPEATED = Path(cli.__file__).resolve().parents[2] / "cluster" / "data" / "repeated-structure.jsonl"
 CATEGORIES = ("agent_loop", "code_edit", "form_chat", "templated_extraction")
 
 

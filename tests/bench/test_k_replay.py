@@ -1,16 +1,16 @@
 """The K replay: exact tokens per step of a K policy from a greedy output, priced with a run's own step times;
-the suffix cache replay (`cluster.bench.prior_alpha.SuffixReplay`)."""
+the suffix cache replay (`tools.bench.prior_alpha.SuffixReplay`)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from cluster.bench.k_replay import (
+from tools.bench.k_replay import (
     Case, GrowOnFullAccept, StaticK, analyse, auto_choices, grow_policies, ngram_proposer, replay, step_cost_by_k,
     step_time_by_drafts,
 )
-from cluster.bench.metrics import Sample
+from tools.bench.metrics import Sample
 
 # A prompt holding a 12-token span the output copies whole after 3 tokens of its own.
 SPAN = list(range(100, 112))
@@ -121,7 +121,7 @@ def test_auto_grown_by_the_engines_rule_is_replayed_and_priced_by_drafts_on_requ
 def _suffix_replay(offset: float = 0.0):
     from types import SimpleNamespace
 
-    from cluster.bench.prior_alpha import SuffixReplay
+    from tools.bench.prior_alpha import SuffixReplay
 
     knobs = SimpleNamespace(max_tree_depth=24, max_cached_requests=100, max_spec_factor=1.0,
                             max_spec_offset=offset, min_token_prob=0.1)
@@ -148,7 +148,7 @@ def test_the_suffix_replay_passes_max_spec_offset_on():
 
 
 def test_replay_cut_counts_every_token_and_a_stricter_cut_drafts_no_more():
-    from cluster.bench.prior_alpha import replay_cut
+    from tools.bench.prior_alpha import replay_cut
 
     rng = np.random.default_rng(1)
     common = list(rng.integers(1000, 1400, 30))

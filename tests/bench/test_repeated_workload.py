@@ -1,4 +1,4 @@
-"""The repeated-structure workload (`cluster.bench.repeated`): deterministic, one structure per category,
+"""The repeated-structure workload (`tools.bench.repeated`): deterministic, one structure per category,
 balanced fixed halves, the shipped file is the generator's output, and its categories map to the router."""
 
 import doctest
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from cluster.bench import repeated as R
-from cluster.bench.split import TUNE, UNTOUCHED, balance, keep, split_half
-from cluster.bench.workload import WORKLOAD_CLASS_OF, load_prompts, task_of
+from tools.bench import repeated as R
+from tools.bench.split import TUNE, UNTOUCHED, balance, keep, split_half
+from tools.bench.workload import WORKLOAD_CLASS_OF, load_prompts, task_of
 from cluster.speculation import WORKLOAD_CLASSES
 
-SHIPPED = Path(R.__file__).resolve().parent.parent / "data" / "repeated-structure.jsonl"
+SHIPPED = Path(R.__file__).resolve().parents[2] / "cluster" / "data" / "repeated-structure.jsonl"
 
 
 def test_docstring_examples_hold():
@@ -78,7 +78,7 @@ def test_main_writes_jsonl_and_rejects_a_bad_count(tmp_path, capsys):
 
 
 def test_a_comma_list_of_prompt_files_is_one_mixed_workload():
-    from cluster.bench.workload import DEFAULT_PROMPTS_PATH, load_prompts
+    from tools.bench.workload import DEFAULT_PROMPTS_PATH, load_prompts
 
     mixed = load_prompts(f"{DEFAULT_PROMPTS_PATH},{SHIPPED}")
     assert len(mixed) == len(load_prompts(DEFAULT_PROMPTS_PATH)) + len(load_prompts(SHIPPED))

@@ -1,9 +1,9 @@
-"""`python -m cluster.bench.step_split`: tokens per step against time per step from a samples file."""
+"""`python -m tools.bench.step_split`: tokens per step against time per step from a samples file."""
 
 import json
 
-from cluster.bench import step_split
-from cluster.bench.metrics import Sample
+from tools.bench import step_split
+from tools.bench.metrics import Sample
 
 
 def sample(config, task, repeat, n_tokens, steps, spec_steps, runs, decode_s, **kw):

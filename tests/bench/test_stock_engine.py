@@ -1,4 +1,4 @@
-"""One real stock vLLM server started through `cluster.bench.anchors` (about 1-2 minutes; no cluster).
+"""One real stock vLLM server started through `tools.bench.anchors` (about 1-2 minutes; no cluster).
 
 Built from the embedded default's n-gram pool (cluster/configs/local-cpu.yaml) as `--baselines ngram:3`
 builds it: two greedy requests through the bench's runner come back with their token ids; the
@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.bench import anchors as A
-from cluster.bench.runner import Job, Runner
-from cluster.bench.workload import Prompt
+from tools.bench import anchors as A
+from tools.bench.runner import Job, Runner
+from tools.bench.workload import Prompt
 from cluster.client import AsyncSpecServeClient, iter_sse_data
 from cluster.config import load_config
 from tests.paths import LOCAL_CPU

@@ -1,4 +1,4 @@
-"""The constrained workload (`cluster.bench.structured`): its shipped file is what the generator makes,
+"""The constrained workload (`tools.bench.structured`): its shipped file is what the generator makes,
 each category splits evenly, and its request fields reach the cluster's and the stock servers' bodies."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cluster.bench import plan as P
-from cluster.bench.runner import Job, Runner
-from cluster.bench.split import split_half
-from cluster.bench.structured import generate
-from cluster.bench.workload import load_prompts
+from tools.bench import plan as P
+from tools.bench.runner import Job, Runner
+from tools.bench.split import split_half
+from tools.bench.structured import generate
+from tools.bench.workload import load_prompts
 
 SHIPPED = Path(__file__).resolve().parents[2] / "cluster" / "data" / "structured.jsonl"
 

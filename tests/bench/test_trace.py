@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster.bench import plan as P
-from cluster.bench import trace as T
-from cluster.bench.phases import trace_jobs
-from cluster.bench.workload import Prompt
+from tools.bench import plan as P
+from tools.bench import trace as T
+from tools.bench.phases import trace_jobs
+from tools.bench.workload import Prompt
 
 SAMPLE = Path(__file__).parent / "data" / "azure_trace_sample.csv"  # generated, seeded (40 arrivals)
 PROMPTS = [Prompt(str(i), "qa", "qa", f"question {i}") for i in range(7)]

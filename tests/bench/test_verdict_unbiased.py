@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.bench.metrics import Sample
-from cluster.bench.report import _router_lines, build_summary, load_samples, render_markdown, write_results
-from cluster.bench.router_verdict import cross_validated_best, paired_bootstrap_ci, router_verdict
+from tools.bench.metrics import Sample
+from tools.bench.report import _router_lines, build_summary, load_samples, render_markdown, write_results
+from tools.bench.router_verdict import cross_validated_best, paired_bootstrap_ci, router_verdict
 
 A, B = "ngram:2", "ngram:4"
 

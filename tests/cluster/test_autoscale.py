@@ -1,6 +1,6 @@
 """The goodput autoscaling policy as a pure function: hand-built snapshots for each rule, the delays,
 the router's capacity view, the engine's window, and a replay of snapshots recorded from a real run
-(tests/cluster/data/autoscale_snapshots.jsonl, written by cluster/bench/autoscale_ramp.py)."""
+(tests/cluster/data/autoscale_snapshots.jsonl, written by tools/bench/autoscale_ramp.py)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""`cluster.bench.phases.forget`: which load phases ask the cluster's suffix trees to forget."""
+"""`tools.bench.phases.forget`: which load phases ask the cluster's suffix trees to forget."""
 
 import asyncio
 from types import SimpleNamespace
 
-from cluster.bench import plan as P
-from cluster.bench.phases import forget
+from tools.bench import plan as P
+from tools.bench.phases import forget
 
 
 class _Client:

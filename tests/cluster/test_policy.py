@@ -990,7 +990,7 @@ def test_a_fixed_cost_at_load_makes_a_large_k_pay_where_the_mean_alone_did_not()
 
 # -- step time per K: a cost that is not linear in K ----------------------------------------------
 
-# Step time of `ngram:K` over `none` at one stream on the CPU box, K = 1..6 (`cluster.bench.step_split`
+# Step time of `ngram:K` over `none` at one stream on the CPU box, K = 1..6 (`tools.bench.step_split`
 # on a benchmark's samples: 80.6, 75.1, 74.9, 74.5, 75.8, 78.4 ms against 76.2; a repeat measured
 # the same shape).
 MEASURED_STEP_REL = {1: 1.058, 2: 0.986, 3: 0.983, 4: 0.978, 5: 0.995, 6: 1.029}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.bench.remote import bench_config
+from tools.bench.remote import bench_config
 from cluster.config import ConfigError, parse_config
 from cluster.ops.placement import drafter_deployment_options, required_resources
 from cluster.speculation import SpecMode

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from cluster.bench.anchors import stock_env
+from tools.bench.anchors import stock_env
 from cluster.config import load_config
 from cluster.engine import sampling_fix
 from cluster.ops.placement import engine_deployment_options

@@ -84,7 +84,7 @@ def test_a_local_cluster_with_drafters_gets_a_new_wire_secret_per_start():
 
     import yaml
 
-    from cluster.bench.remote import bench_config
+    from tools.bench.remote import bench_config
     from cluster.config import parse_config
     from cluster.engine.draft_wire import SECRET_ENV, secret_from_env
 

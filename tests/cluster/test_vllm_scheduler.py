@@ -87,11 +87,11 @@ def test_grown_effective_k(k_state, k_base, batch, table, want):
 
 
 def test_next_k_follows_the_replays_growing_policy():
-    """The engine's rule is the one `cluster.bench.k_replay` priced (GrowOnFullAccept): over random
+    """The engine's rule is the one `tools.bench.k_replay` priced (GrowOnFullAccept): over random
     step outcomes, the two give the same K sequence."""
     import random
 
-    from cluster.bench.k_replay import GrowOnFullAccept, Step
+    from tools.bench.k_replay import GrowOnFullAccept, Step
     from cluster.engine.vllm_scheduler import next_k
 
     rng = random.Random(7)

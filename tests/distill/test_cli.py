@@ -1,6 +1,6 @@
 import argparse
 
-from cluster.distill import cli
+from tools.distill import cli
 
 
 def test_arguments_parse_with_their_defaults():

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from cluster.distill.eagle import ARCHITECTURE, EagleHead, expected_keys, init_from_target, rope, vllm_config
+from tools.distill.eagle import ARCHITECTURE, EagleHead, expected_keys, init_from_target, rope, vllm_config
 from tests.distill.conftest import tiny_config
 
 

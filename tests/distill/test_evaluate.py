@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from cluster.distill.draft_model import make_draft
-from cluster.distill.eagle import EagleHead
-from cluster.distill.evaluate import (
+from tools.distill.draft_model import make_draft
+from tools.distill.eagle import EagleHead
+from tools.distill.evaluate import (
     CHAT_LIKE_TASKS, accepted_counts, draft_model_match, eagle_match, evaluate, format_report, group_summaries,
     summarize,
 )

@@ -1,9 +1,9 @@
-"""Self-instructed training prompts (cluster/distill/instruct.py): the pure parts, and the cached
+"""Self-instructed training prompts (tools/distill/instruct.py): the pure parts, and the cached
 generation with a stand-in engine (the real engine runs in `specserve distill --self-instruct`)."""
 
 import pytest
 
-from cluster.distill import instruct
+from tools.distill import instruct
 from tests.distill.test_ship_data import CharTokenizer
 
 

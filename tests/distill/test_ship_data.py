@@ -5,10 +5,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cluster.bench.workload import MT_BENCH_CATEGORIES, task_of
-from cluster.distill import data
-from cluster.distill.cli import build_drafter
-from cluster.distill.ship import MANIFEST, assemble, ship
+from tools.bench.workload import MT_BENCH_CATEGORIES, task_of
+from tools.distill import data
+from tools.distill.cli import build_drafter
+from tools.distill.ship import MANIFEST, assemble, ship
 from tests.distill.conftest import tiny_target
 
 
@@ -135,7 +135,7 @@ def test_corpora_one_call_for_every_spec_and_engine_in_the_key(target, tmp_path,
     """engine vllm: every missing continuation of every spec goes to ONE generation call (one engine
     start), prompt-major (a prompt's jobs adjacent), each sampled job with its own seed; cached shards are not asked
     again; the engine is part of the cache key (the transformers corpus is a different one)."""
-    from cluster.distill import vllm_gen
+    from tools.distill import vllm_gen
 
     calls = []
 
@@ -167,7 +167,7 @@ def test_corpora_one_call_for_every_spec_and_engine_in_the_key(target, tmp_path,
 def test_corpora_vllm_jobs_prompt_major_and_mapped_back(target, tmp_path, monkeypatch):
     """Twin corpora's jobs reach the engine with each prompt's jobs adjacent (its prefill shared in
     the prefix cache), and every continuation comes back to its own corpus and prompt."""
-    from cluster.distill import vllm_gen
+    from tools.distill import vllm_gen
 
     calls = []
 
@@ -195,7 +195,7 @@ def test_cap_prompts_drops_long_ones():
 
 
 def test_vllm_sampling_kwargs():
-    from cluster.distill.vllm_gen import sampling_kwargs
+    from tools.distill.vllm_gen import sampling_kwargs
 
     greedy = sampling_kwargs({"max_new_tokens": 9, "temperature": 0.0, "seed": 3})
     assert greedy["max_tokens"] == 9 and greedy["temperature"] == 0.0 and "seed" not in greedy
@@ -204,7 +204,7 @@ def test_vllm_sampling_kwargs():
 
 
 def test_training_budget():
-    from cluster.distill.cli import training_budget
+    from tools.distill.cli import training_budget
 
     assert training_budget(None, None, 50, 300) is None
     assert training_budget(100, None, 50, 300) == 100
@@ -214,7 +214,7 @@ def test_training_budget():
 
 
 def test_heldout_jsonl_is_what_the_bench_reads(tmp_path):
-    from cluster.bench.workload import load_prompts
+    from tools.bench.workload import load_prompts
 
     _, held = data.split_prompts(data.load_specbench(), 2, seed=0)
     path = data.write_heldout(tmp_path / "h.jsonl", held)
@@ -236,7 +236,7 @@ def test_hold_back_removes_a_validation_prompt_from_every_corpus():
 
 
 def test_vllm_failure_tail_shows_both_streams():
-    from cluster.distill.vllm_gen import failure_tail
+    from tools.distill.vllm_gen import failure_tail
 
     out = failure_tail("a\nb\nc", "x\nRuntimeError: boom", n=2)
     assert "child stdout (last 2 lines)" in out and "b\nc" in out and "a" not in out.split("---")[2]
@@ -248,7 +248,7 @@ def test_bf16_corpus_is_its_own_engine_dtype_and_cache(target, tmp_path, monkeyp
     """A bf16 training corpus and a float32 one of the same prompts: two generation calls (one
     engine per dtype, bfloat16 asked for the bf16 one), two cache entries, and bf16 features close
     to (but not) the float32 ones."""
-    from cluster.distill import vllm_gen
+    from tools.distill import vllm_gen
 
     calls = []
 

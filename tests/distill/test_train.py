@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from cluster.distill.cli import build_drafter
-from cluster.distill.loss import distill_loss
-from cluster.distill.train import (
+from tools.distill.cli import build_drafter
+from tools.distill.loss import distill_loss
+from tools.distill.train import (
     TrainConfig, _ckpts, batch_loss, collate, loss_vocab, lr_at, make_optimizer, student_states, train,
 )
 from tests.distill.conftest import make_samples
@@ -172,7 +172,7 @@ def test_feature_noise_and_validation_hook(target, tmp_path):
 
 
 def test_freeze_copied_trains_only_fc_outputs_and_norm(target):
-    from cluster.distill.eagle import COPIED
+    from tools.distill.eagle import COPIED
 
     drafter = build_drafter("eagle", target, 1, seed=0, freeze_copied=True)
     trainable = {n for n, p in drafter.named_parameters() if p.requires_grad}

@@ -15,7 +15,7 @@ def test_seeded_sampled_batch_overflowing_a_step_completes_and_reproduces():
     from transformers import AutoTokenizer
 
     from cluster.config import load_config
-    from cluster.distill.vllm_gen import generate_vllm
+    from tools.distill.vllm_gen import generate_vllm
     from cluster.ops.models import resolve_model
 
     path = resolve_model("smollm2-135m", load_config(LOCAL_CPU))

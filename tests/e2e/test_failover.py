@@ -26,9 +26,9 @@ import httpx
 import psutil
 import pytest
 
-from cluster.bench import anchors as A
-from cluster.bench.split import UNTOUCHED, keep
-from cluster.bench.workload import interleave_tasks, load_prompts
+from tools.bench import anchors as A
+from tools.bench.split import UNTOUCHED, keep
+from tools.bench.workload import interleave_tasks, load_prompts
 from cluster.config import load_config
 from cluster.ops.cpu_pinning import WORKER, program
 from cluster.ops.models import resolve_model

@@ -19,7 +19,7 @@ import pytest
 from pydantic import BaseModel
 
 from cluster.api.grpc_openai import StreamReader
-from cluster.bench import anchors as A
+from tools.bench import anchors as A
 from cluster.config import load_config
 from specserve.v1 import specserve_pb2 as pb
 from tests.e2e.helpers import specserve_stub

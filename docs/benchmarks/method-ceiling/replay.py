@@ -4,10 +4,10 @@ one stream, with no measurement noise? Tune halves of both prompt files only.
     .venv/bin/python docs/benchmarks/method-ceiling/replay.py [--outputs /tmp/tune_outputs.json]
 
 Greedy outputs (128 tokens) come from a plain engine built like the n-gram pool's
-(`cluster.bench.prior_alpha._greedy_outputs`); each output is replayed through vLLM's n-gram matcher
-(lookup 1..5) and through arctic-inference's suffix cache (`cluster.bench.prior_alpha.SuffixReplay`:
+(`tools.bench.prior_alpha._greedy_outputs`); each output is replayed through vLLM's n-gram matcher
+(lookup 1..5) and through arctic-inference's suffix cache (`tools.bench.prior_alpha.SuffixReplay`:
 one cache over all prompts in a shuffled order, as a serving engine meets them), counting per step
-the drafts and how many the output accepts (`cluster.bench.k_replay.replay`). A request's time = TTFT + per step (STEP_S + DRAFT_S x
+the drafts and how many the output accepts (`tools.bench.k_replay.replay`). A request's time = TTFT + per step (STEP_S + DRAFT_S x
 drafts), fitted on `auto`'s one-stream requests of tune-half bench runs (26.5 ms a step, 1.44 ms a
 draft; the stock servers' own fit, 25 ms and 4 ms, is printed too). Rates are summed tokens / summed
 time, as the bench's one-stream rate.
@@ -35,13 +35,13 @@ def main():
     ap.add_argument("--outputs", default="/tmp/tune_outputs.json")
     args = ap.parse_args()
     if not os.path.exists(args.outputs):
-        from cluster.bench.prior_alpha import _greedy_outputs
+        from tools.bench.prior_alpha import _greedy_outputs
         rows = _greedy_outputs("cluster/configs/local-cpu.yaml", "ngram", "tune", 128,
                                ["cluster/data/specbench-dev.jsonl", "cluster/data/repeated-structure.jsonl"])
         json.dump(rows, open(args.outputs, "w"))
     rows = json.load(open(args.outputs))
-    from cluster.bench.k_replay import StaticK, ngram_proposer, replay
-    from cluster.bench.prior_alpha import SuffixReplay
+    from tools.bench.k_replay import StaticK, ngram_proposer, replay
+    from tools.bench.prior_alpha import SuffixReplay
 
     ngram = ngram_proposer(1, 5)
 

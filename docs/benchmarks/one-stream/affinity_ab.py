@@ -40,11 +40,11 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
-from cluster.bench import anchors as A  # noqa: E402
+from tools.bench import anchors as A  # noqa: E402
 from engine_pair import interval  # noqa: E402  (this folder: the same paired bootstrap)
-from cluster.bench.runner import STOCK_EXTRA  # noqa: E402
-from cluster.bench.split import keep  # noqa: E402
-from cluster.bench.workload import load_prompts  # noqa: E402
+from tools.bench.runner import STOCK_EXTRA  # noqa: E402
+from tools.bench.split import keep  # noqa: E402
+from tools.bench.workload import load_prompts  # noqa: E402
 from cluster.client import SpecServeClient  # noqa: E402
 from cluster.config import load_config  # noqa: E402
 from cluster.ops.cpu_pinning import Proc, reserved_cpus  # noqa: E402

@@ -8,8 +8,8 @@ streamed chunks and the 16 busiest processes with their CPU time per chunk.
 import sys, time, psutil, httpx, json
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from cluster.bench.split import keep
-from cluster.bench.workload import load_prompts
+from tools.bench.split import keep
+from tools.bench.workload import load_prompts
 url, n, skip = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
 def snap():

@@ -4,7 +4,7 @@ Both engines in this process (vLLM's `LLM`, no server, no Ray): `ours` is the n-
 the cluster builds it (`deployments.vllm_args.engine_kwargs`: the lookup proposer, the per-request-K
 scheduler, per-request metrics), its requests in suffix mode at K 16; `ours-nometrics` the same
 without per-request spec-decode metrics; `stock` the engine arguments of the bench's stock anchors
-(`cluster.bench.anchors.stock_engine_args`) with `{"method": "suffix"}`. Tune-half prompts, each
+(`tools.bench.anchors.stock_engine_args`) with `{"method": "suffix"}`. Tune-half prompts, each
 once per engine, one at a time, order alternating per prompt, 1.2 s apart (vLLM's readers busy-poll
 for 1 s after a step), every prompt warmed in every engine first; tokens/s, a paired bootstrap
 interval against the last variant, and each engine's drafts and steps (vLLM's metrics).
@@ -21,8 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
-from cluster.bench import anchors as A  # noqa: E402
-from cluster.bench.verdict import bootstrap_ci  # noqa: E402
+from tools.bench import anchors as A  # noqa: E402
+from tools.bench.verdict import bootstrap_ci  # noqa: E402
 from cluster.config import load_config  # noqa: E402
 from cluster.ops.models import resolve_model  # noqa: E402
 
@@ -54,8 +54,8 @@ def interval(a: list, b: list) -> str:
 
 
 def main() -> None:
-    from cluster.bench.split import keep
-    from cluster.bench.workload import load_prompts
+    from tools.bench.split import keep
+    from tools.bench.workload import load_prompts
     from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_MODE
     from vllm import LLM, SamplingParams
 

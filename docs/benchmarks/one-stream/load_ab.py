@@ -42,10 +42,10 @@ import httpx
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 from affinity_ab import CLUSTER, set_niceness, set_realtime, set_spin  # noqa: E402  (this folder)
-from cluster.bench.plan import BenchConfig  # noqa: E402
-from cluster.bench.runner import Job, Runner  # noqa: E402
-from cluster.bench.split import keep  # noqa: E402
-from cluster.bench.workload import load_prompts  # noqa: E402
+from tools.bench.plan import BenchConfig  # noqa: E402
+from tools.bench.runner import Job, Runner  # noqa: E402
+from tools.bench.split import keep  # noqa: E402
+from tools.bench.workload import load_prompts  # noqa: E402
 from cluster.client import AsyncSpecServeClient  # noqa: E402
 
 CONFIGS = {"auto": BenchConfig("auto", None, None), "none": BenchConfig("none", "none", None)}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
-from cluster.bench import anchors as A  # noqa: E402
+from tools.bench import anchors as A  # noqa: E402
 from cluster.config import load_config  # noqa: E402
 from cluster.ops.models import resolve_model  # noqa: E402
 

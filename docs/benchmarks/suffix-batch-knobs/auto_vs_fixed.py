@@ -17,8 +17,8 @@ import time
 
 sys.path.insert(0, os.getcwd())
 from cluster.client import AsyncSpecServeClient
-from cluster.bench.workload import load_prompts
-from cluster.bench.split import keep, TUNE
+from tools.bench.workload import load_prompts
+from tools.bench.split import keep, TUNE
 
 CONC = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 6

@@ -4,7 +4,7 @@
 
 Greedy outputs (128 tokens) of the tune halves, as `../method-ceiling/replay.py` makes them (its
 `--outputs` file), replayed through one suffix cache in 3 shuffled orders
-(`cluster.bench.prior_alpha.replay_cut`, K 16, the pool's tree depth) with `min_token_prob`
+(`tools.bench.prior_alpha.replay_cut`, K 16, the pool's tree depth) with `min_token_prob`
 (the tree's cumulative estimate that a draft token is accepted) at each value: tokens a step
 yields (tau), drafts a step verifies (delta). In a batch of B requests a step costs B plain
 request-steps plus beta for each verified draft token, so a request's goodput relative to plain
@@ -29,9 +29,9 @@ def main():
     args = ap.parse_args()
     if not os.path.exists(args.outputs):
         sys.exit(f"{args.outputs}: run docs/benchmarks/method-ceiling/replay.py first (it writes the greedy outputs)")
-    from cluster.bench.prior_alpha import replay_cut
-    from cluster.bench.split import TUNE, keep
-    from cluster.bench.workload import load_prompts
+    from tools.bench.prior_alpha import replay_cut
+    from tools.bench.split import TUNE, keep
+    from tools.bench.workload import load_prompts
 
     rows = json.load(open(args.outputs))
     n_spec = len(keep(load_prompts("cluster/data/specbench-dev.jsonl"), TUNE))  # Spec-Bench rows come first

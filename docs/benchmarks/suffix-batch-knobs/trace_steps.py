@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, os.getcwd())
-from cluster.bench.report import load_samples
+from tools.bench.report import load_samples
 
 path, window = Path(sys.argv[1]), sys.argv[2:]
 _, samples = load_samples(path)

@@ -16,7 +16,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from cluster.bench.report import load_samples
+from tools.bench.report import load_samples
 
 
 def main(path: str, other: str = "stock-suffix") -> None:

@@ -8,7 +8,6 @@ inline (`{"config": {...}}`) or as a path (`{"config_path": "..."}`).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any, Optional
 
@@ -72,13 +71,8 @@ class EngineReplica(EngineServer):
     async def __del__(self):
         """Serve's graceful stop, after its own calls drained: the lane stops taking calls, its calls
         under way get DOOR_DRAIN_S to end, then the engine stops."""
-        lane = getattr(self, "lane", None)
-        if lane is not None:
-            lane.close()
-            for _ in range(int(DOOR_DRAIN_S * 10)):
-                if lane.ongoing == 0:
-                    break
-                await asyncio.sleep(0.1)
+        if getattr(self, "lane", None) is not None:
+            await self.lane.drain(DOOR_DRAIN_S)
         self.shutdown()
 
 

@@ -296,9 +296,9 @@ class EngineServer(OpenAIDoor):
         """Ray Serve's custom autoscaling metrics of this replica (`cluster.autoscale.policy.ReplicaMetrics`):
         requests in the engine, and over the window: finished requests, tokens and accepted tokens per
         second, p99 TPOT and TTFT (-1 when none finished), mean K. Ray averages them per replica."""
-        lane = getattr(self, "lane", None)  # calls on the local lane, which Serve does not count
         return {"unfinished": float(self.engine.get_num_unfinished_requests()),
-                "lane_ongoing": float(lane.ongoing if lane is not None else 0),
+                # calls on the local lane, which Serve does not count
+                "lane_ongoing": float(self.lane.ongoing if self.lane is not None else 0),
                 **self._finished.summary(time.monotonic())}
 
     async def check_health(self) -> None:

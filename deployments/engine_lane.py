@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import struct
+import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable, Optional
 
@@ -187,6 +188,13 @@ class LaneServer:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+    async def drain(self, grace_s: float) -> None:
+        """Close, then give the calls under way up to `grace_s` to end (a stopping replica's grace)."""
+        self.close()
+        deadline = time.monotonic() + grace_s
+        while self.ongoing and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

@@ -124,6 +124,22 @@ def test_a_replicas_error_comes_back_as_the_error_a_handle_call_raised(tmp_path,
     asyncio.run(run())
 
 
+def test_a_stopping_replica_takes_no_new_call_and_lets_the_one_under_way_end(tmp_path):
+    async def run():
+        engine = Engine(n=3, every_s=0.1)
+        server = await serve(tmp_path, engine)
+        lanes = Lanes(str(tmp_path / "lanes"))
+        under_way = asyncio.ensure_future(drain(lanes.call("ngram", REQ, handle_call)))
+        await asyncio.sleep(0.05)
+        await server.drain(5.0)
+        assert server.ongoing == 0 and not os.path.exists(server.path)
+        assert len(await under_way) == 3 and engine.closed_early == 0
+        lanes._listed = (float("-inf"), {})
+        late = lanes.call("ngram", REQ, handle_call)
+        assert [c.replica for c in await drain(late)] == ["r2"] and late.via == "handle"
+    asyncio.run(run())
+
+
 def test_a_replica_that_closes_mid_stream_is_lane_gone(tmp_path):
     """The replica's process ends mid-stream: one chunk, then its end of the connection closes."""
     import dataclasses

@@ -164,37 +164,15 @@ class PoolConfig(Strict):
         2.0, gt=0, description="method remote_draft: while the drafter is failing, try it again this often."
     )
     max_k: int = Field(0, ge=0, le=16, description="Largest K a request may ask of this pool (0 for method none).")
-    k_grow_step: int = Field(
-        0, ge=0, le=16,
-        description=(
-            "A policy-chosen K grows by this after a step that accepted all its K drafts, back to the "
-            "chosen K after a rejection (the engine's scheduler does it per step; 0: K stays fixed). "
-            "A request may set its own with `speculative.k_grow`."
-        ),
-    )
-    k_grow_max: Optional[int] = Field(
-        None, ge=1, le=16,
-        description="The largest K growth reaches (bounded by max_k, so lowering max_k needs no edit here; unset: max_k).",
-    )
-    step_k: bool = Field(
-        True,
-        description=(
-            "Requests whose K the policy decides get it from the engine's scheduler at every step, up to "
-            "max_k, from the batch as it is then: each draft verified only where it raises the batch's "
-            "expected tokens per second (cluster/engine/step_k.py). false: the policy's K at admission, capped per "
-            "step by the load table and grown by k_grow_step. No effect for methods none and remote_draft "
-            "(whose drafter drafts the K it is asked)."
-        ),
-    )
     step_k_max_batch: Optional[int] = Field(
         None, ge=0, le=4096,
-        description="With step_k: the batch bound the engine starts from: above this many running requests, requests "
-                    "whose K it chooses decode plainly (a caller's K is kept); with step_k_explore > 0 it then learns "
+        description="The batch bound the engine starts from: above this many running requests, requests whose K it "
+                    "chooses per step decode plainly (a caller's K is kept); with step_k_explore > 0 it then learns "
                     "per batch size which is faster (cluster/engine/draft_gate.py). Unset: drafting everywhere at first.",
     )
     step_k_explore: float = Field(
         0.2, ge=0.0, le=1.0,
-        description=("With step_k: the chance a step tries the arm (drafting or plain) the bound does not pick, "
+        description=("The chance a step tries the arm (drafting or plain) the bound does not pick, "
                      "until a batch size has steps of both; then their measured tokens/s decide. 0: the bound alone."),
     )
     stream_chunks_per_step: Optional[int] = Field(
@@ -341,9 +319,6 @@ class PoolConfig(Strict):
         if self.suffix is not None and self.method not in LOOKUP_METHODS:
             raise ValueError(f"suffix: only pools with method 'ngram' or 'suffix' draft from a suffix tree, "
                              f"not {self.method.value!r}")
-        if self.k_grow_step and self.method in (SpecMode.NONE, SpecMode.REMOTE_DRAFT):
-            raise ValueError(f"k_grow_step: method {self.method.value!r} cannot grow K "
-                             "(none drafts nothing; remote_draft's drafter drafts the K it was asked)")
         return self
 
     @property
@@ -358,8 +333,9 @@ class PoolConfig(Strict):
 
     @property
     def uses_step_k(self) -> bool:
-        """Whether policy-decided requests get their K per step in the engine (`step_k`)."""
-        return self.step_k and self.max_k > 0 and self.method not in (SpecMode.NONE, SpecMode.REMOTE_DRAFT)
+        """Whether the pool drafts at all: then the requests the policy sends it get their K from the
+        engine at every step, up to max_k (`cluster.engine.step_k`)."""
+        return self.max_k > 0 and self.method != SpecMode.NONE
 
     @property
     def uses_lookup_proposer(self) -> bool:

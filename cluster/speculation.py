@@ -16,25 +16,20 @@ One *step* of a request is one forward pass of the target over that request. In 
 - **acceptance rate** = accepted / drafted.
 - **goodput**: output tokens per second that meet the request's latency objective.
 
-A request's *speculative mode* is the proposer family (``SpecMode``); its K is chosen per request
-(and may be capped per step by the engine under load). ``SpecStats`` is what every response
+A request's *speculative mode* is the proposer family (``SpecMode``); its K is the caller's, fixed,
+or chosen by its engine at every step up to a ceiling (``cluster.engine.step_k``). ``SpecStats`` is what every response
 reports about what was used and what happened.
 """
 
 from __future__ import annotations
 
-import bisect
 import enum
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-# Keys under SamplingParams.extra_args that carry the per-request K, and the pool's current
-# per-step cap table [(min_batch_size, k_cap), ...], into the engine's scheduler.
+# Key under SamplingParams.extra_args that carries the per-request K into the engine's scheduler:
+# a fixed K, or, with EXTRA_ARGS_K_STEP, the ceiling of the K the engine chooses per step.
 EXTRA_ARGS_K = "specserve_k"
-EXTRA_ARGS_K_CAP = "specserve_k_cap"
-# [step, top]: the request's K grows by `step` after a step that accepted all K drafts, up to `top`,
-# and goes back to the admitted K after a rejection (set by the router for policy-chosen K only).
-EXTRA_ARGS_K_GROW = "specserve_k_grow"
 # α of the request's workload class (a float in [0, 1]): the engine's scheduler chooses this
 # request's K at every step, up to its `specserve_k`, from the batch as it is then
 # (`cluster.engine.step_k`; set by the router when the policy, not the caller, chose K).
@@ -198,22 +193,3 @@ WORKLOAD_CLASSES = (
     "reasoning",
     "extraction",
 )
-
-
-# A pool's per-step K cap by batch size, as the router hands it to the engine (EXTRA_ARGS_K_CAP).
-KCapTable = Sequence[tuple[int, int]]  # [(min_batch_size, k_cap), ...] sorted by min_batch_size
-
-
-def k_cap_for_batch(batch_size: int, table: Optional[KCapTable]) -> Optional[int]:
-    """The K cap that applies at `batch_size`: the entry with the largest min_batch_size <= it.
-
-    >>> k_cap_for_batch(5, [(1, 6), (4, 2), (16, 0)])
-    2
-    >>> k_cap_for_batch(3, None) is None
-    True
-    """
-    if not table:
-        return None
-    starts = [start for start, _ in table]
-    i = bisect.bisect_right(starts, batch_size) - 1
-    return None if i < 0 else table[i][1]

@@ -84,19 +84,15 @@ def request_to_wire(req: EngineRequest) -> dict[str, Any]:
 
 
 def request_from_wire(d: dict[str, Any]) -> EngineRequest:
-    """The inverse of `request_to_wire` (tuples come back as tuples).
+    """The inverse of `request_to_wire`.
 
-    >>> r = EngineRequest("r", "ngram", 3, k_cap_by_batch=[(1, 3)], k_grow=(2, 5), openai={"path": "/v1/x", "body": b"{}"})
+    >>> r = EngineRequest("r", "ngram", 3, k_step_alpha=0.5, openai={"path": "/v1/x", "body": b"{}"})
     >>> request_from_wire(json.loads(json.dumps(request_to_wire(r)))) == r
     True
     """
     d = dict(d)
     if d.get("openai") is not None:
         d["openai"] = {**d["openai"], "body": str(d["openai"]["body"]).encode("latin-1")}
-    if d.get("k_cap_by_batch") is not None:
-        d["k_cap_by_batch"] = [tuple(e) for e in d["k_cap_by_batch"]]
-    if d.get("k_grow") is not None:
-        d["k_grow"] = tuple(d["k_grow"])
     return EngineRequest(**d)
 
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from cluster.speculation import (EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP, EXTRA_ARGS_MODE,
-                                 SpecStats, accepted_runs)
+from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_STEP, EXTRA_ARGS_MODE, SpecStats, accepted_runs
 
 
 @dataclass
@@ -16,7 +15,7 @@ class EngineRequest:
 
     request_id: str
     mode: str  # SpecMode value actually used (none when k == 0)
-    k: int  # per-request speculation length, 0..pool.max_k
+    k: int  # per-request speculation length, 0..pool.max_k: fixed, or the ceiling of the engine's per-step K
     prompt: Optional[str] = None  # raw prompt, used as is
     messages: Optional[list[dict[str, str]]] = None  # chat messages, templated by the engine
     max_tokens: int = 128
@@ -26,8 +25,6 @@ class EngineRequest:
     stop: list[str] = field(default_factory=list)
     logprobs: Optional[int] = None  # top-N logprobs per output token (for lossless diagnostics)
     ignore_eos: bool = False
-    k_cap_by_batch: Optional[list[tuple[int, int]]] = None  # pool's per-step cap table from the tuner
-    k_grow: Optional[tuple[int, int]] = None  # (step, top): K grows within the request (vllm_scheduler)
     k_step_alpha: Optional[float] = None  # class α: the engine picks K (<= k) at every step (cluster.engine.step_k)
     streamed: bool = True  # False: the caller wants the whole text; the replica sends first token + final chunk
     # An OpenAI call served by vLLM's own serving layer (`deployments.vllm_openai`): {"path": ...,
@@ -92,10 +89,8 @@ def extra_args(req: EngineRequest) -> dict[str, Any]:
     """The request's speculation as `SamplingParams.extra_args`, which the engine's scheduler reads
     (`cluster.engine.vllm_scheduler`).
 
-    >>> extra_args(EngineRequest("r", "ngram", 3, k_cap_by_batch=[(1, 3), (8, 1)]))
-    {'specserve_k': 3, 'specserve_mode': 'ngram', 'specserve_k_cap': [[1, 3], [8, 1]]}
+    >>> extra_args(EngineRequest("r", "ngram", 3)), extra_args(EngineRequest("r", "ngram", 6, k_step_alpha=0.5))
+    ({'specserve_k': 3, 'specserve_mode': 'ngram'}, {'specserve_k': 6, 'specserve_mode': 'ngram', 'specserve_k_step': 0.5})
     """
     return {EXTRA_ARGS_K: int(req.k), EXTRA_ARGS_MODE: req.mode,
-            **({EXTRA_ARGS_K_CAP: [list(e) for e in req.k_cap_by_batch]} if req.k_cap_by_batch else {}),
-            **({EXTRA_ARGS_K_GROW: [int(x) for x in req.k_grow]} if req.k_grow else {}),
             **({EXTRA_ARGS_K_STEP: float(req.k_step_alpha)} if req.k_step_alpha is not None else {})}

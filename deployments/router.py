@@ -24,12 +24,11 @@ from cluster.api.types import ApiError, ErrorCode, GenerateRequest, UpstreamErro
 from cluster.api.wire import Completion
 from cluster.autoscale.policy import with_capacity
 from cluster.config import ClusterConfig
-from cluster.policy import class_model, k_cap_table, load_bucket
+from cluster.policy import class_model, load_bucket
 from cluster.policy.teaching import Lesson, Teacher
 from cluster.routing.deadline import Bounds
-from cluster.routing.route import (Decision, LoadMeter, PoolView, cap_at_admission, decision_summary, growth_rule,
-                                   drafting_mode, load_domain, per_step_k, pool_load, pool_views, resolve_model, route,
-                                   with_load)
+from cluster.routing.route import (Decision, LoadMeter, PoolView, decision_summary, drafting_mode, load_domain,
+                                   per_step_k, pool_load, pool_views, resolve_model, route, with_load)
 from deployments.engine import EngineChunk, EngineRequest
 from deployments.engine_call import RETRY_AFTER_S, engine_chunks, map_error
 from deployments.router_lane import REPORT_WINDOW_S
@@ -81,7 +80,6 @@ class Router(HttpDoor, GrpcDoor):
         self.metrics = metrics
         self.autoscale = autoscale
         self.lanes = lanes
-        self._caps: dict[str, tuple[float, Optional[list[tuple[int, int]]]]] = {}  # pool -> (time, table)
         # Engine replicas' own load reports, sampled in the background (see _poll_load).
         self.engine_load: dict[str, dict[str, tuple[float, float]]] = {name: {} for name in config.pools}
         # When this router's requests finished, per pool and replica (those newer than any report kept).
@@ -169,10 +167,9 @@ class Router(HttpDoor, GrpcDoor):
         if "load_bucket" not in decision.detail:  # the bucket its stats belong to: the load it met
             live = {v.name: v for v in self._live_pools(model)}
             decision.detail["load_bucket"] = load_bucket(live[decision.pool].load_batch + 1.0)
-        if self.tuning is not None:
-            self.tuning.note_decision(model, decision)  # hysteresis: remember the chosen K
-            if decision.decided_by == "policy" and self.metrics is not None and not self.tuning.healthy:
-                self.metrics.fallback(wclass)
+        if (self.tuning is not None and decision.decided_by == "policy" and self.metrics is not None
+                and not self.tuning.healthy):
+            self.metrics.fallback(wclass)
         pool = self.config.pools[decision.pool]
         if req.max_tokens >= pool.max_model_len:
             raise ApiError(ErrorCode.INVALID_ARGUMENT,
@@ -190,25 +187,16 @@ class Router(HttpDoor, GrpcDoor):
         rid = req.ensure_request_id()
         check_prompt_size(req, self.config.api.limits.max_prompt_chars)
         model, d = self.decide(req)
-        # Only the policy's choices are adapted; an explicit K from the caller is kept. A pool with
-        # step_k lets the engine pick K per step from the class's α (`per_step_k`); otherwise the
-        # decision's K is the one the load cap allows at the batch the request joins.
-        pool = self.config.pools[d.pool]
-        caps = None
-        if d.decided_by == "policy" and pool.uses_step_k:
-            d = per_step_k(d, pool, self._class_alpha(model, d))
-        elif d.k and d.decided_by == "policy":
-            caps = self._cap_table(model, d.pool)
-            if caps:
-                d = cap_at_admission(d, caps, d.detail.get("join_batch", 1.0))
+        # The policy chose pool and method: the engine picks K at every step from the class's α
+        # (`per_step_k`). A K the caller named, or the configured default's, is kept.
+        if d.decided_by == "policy":
+            d = per_step_k(d, self.config.pools[d.pool], self._class_alpha(model, d))
         step_alpha = d.detail.get("k_step_alpha")
         ereq = EngineRequest(
             request_id=rid, mode=d.mode.value, k=d.k, prompt=req.prompt,
             messages=[m.model_dump() for m in req.messages] if req.messages else None,
             max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
             stop=list(req.stop), logprobs=req.logprobs, ignore_eos=req.ignore_eos,
-            k_cap_by_batch=caps if d.k else None,
-            k_grow=None if step_alpha is not None else growth_rule(pool, d, req.speculative.k_grow if req.speculative else None),
             k_step_alpha=step_alpha, streamed=streamed, openai=openai,
         )
         return model, d, ereq
@@ -221,20 +209,6 @@ class Router(HttpDoor, GrpcDoor):
         priors = next((a.prior_alpha for a in view.also if a.mode == mode), view.prior_alpha)
         tuning = self.tuning.snapshot(model) if self.tuning is not None else None
         return class_model(tuning, mode.value, d.workload_class, priors)[0]
-
-    def _cap_table(self, model: str, pool_name: str, max_age_s: float = 1.0) -> Optional[list[tuple[int, int]]]:
-        """The pool's per-step K cap by batch size from the tuned state (recomputed at most every second)."""
-        if self.tuning is None:
-            return None
-        now = time.monotonic()
-        cached = self._caps.get(pool_name)
-        if cached is None or now - cached[0] > max_age_s:
-            pool = self.views[pool_name]  # the config's priors, as the policy reads them (routing.pool_views)
-            cached = (now, k_cap_table(pool.method.value, pool.max_k, self.tuning.snapshot(model),
-                                       priors=pool.prior_alpha, draft_cost=pool.prior_draft_cost,
-                                       rate_priors=pool.prior_draft_rate))
-            self._caps[pool_name] = cached
-        return cached[1]
 
     async def _stream(self, req: GenerateRequest, streamed: bool = True, client: str = "unknown",
                       deadline_s: Optional[float] = None, openai: Optional[dict[str, Any]] = None,

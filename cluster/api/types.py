@@ -116,13 +116,9 @@ class ChatMessage(_Strict):
 
 class SpeculativeOverride(_Strict):
     mode: str = Field(description="none | ngram | draft_model | eagle | eagle3 | mtp | suffix")
-    k: Optional[int] = Field(None, ge=0, le=16, description="K for this request (0..pool max_k)")
-    k_grow: Optional[int] = Field(
-        None, ge=0, le=16,
-        description=("grow K by this after a step that accepted all its drafts, up to the pool's "
-                     "k_grow_max (0: K stays fixed); unset: the pool's k_grow_step when the router "
-                     "chooses K, 0 when the request names its K"),
-    )
+    k: Optional[int] = Field(None, ge=0, le=16,
+                             description="K for this request (0..pool max_k), fixed at every step; unset: the "
+                                         "configured default K, or, under `auto`, the engine's K per step")
 
     @field_validator("mode")
     @classmethod

@@ -60,7 +60,7 @@ def from_proto(msg: Any) -> GenerateRequest:
         spec: dict[str, Any] = {"mode": msg.speculative.mode}
         if msg.speculative.HasField("k"):
             spec["k"] = msg.speculative.k
-        if msg.speculative.HasField("k_grow"):
+        if msg.speculative.HasField("k_grow"):  # not served: `parse_request` refuses it by name
             spec["k_grow"] = msg.speculative.k_grow
         data["speculative"] = spec
     if msg.request_id:

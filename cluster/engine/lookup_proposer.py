@@ -35,8 +35,8 @@ from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 from cluster.engine.draft_take import carry_drafts
-from cluster.engine.proposer_base import NeverRaises
-from cluster.engine.vllm_scheduler import ADDITIONAL_CONFIG_KEY, growth_from, requested_k
+from cluster.engine.proposer_base import NeverRaises, capped, watch_step_cap
+from cluster.engine.vllm_scheduler import ADDITIONAL_CONFIG_KEY, requested_k
 from cluster.speculation import EXTRA_ARGS_MODE, SpecMode
 
 log = logging.getLogger("specserve.lookup_proposer")
@@ -67,20 +67,6 @@ def request_mode(extra_args: Optional[dict[str, Any]], default: str) -> str:
     """
     mode = (extra_args or {}).get(EXTRA_ARGS_MODE)
     return mode if mode in (SpecMode.NGRAM.value, SpecMode.SUFFIX.value, SpecMode.NONE.value) else default
-
-
-def draft_ceiling(extra_args: Optional[dict[str, Any]], k_max: int) -> int:
-    """The most a request may verify in a step: its K, or, when its K grows within the request
-    (`EXTRA_ARGS_K_GROW`), the top of that growth; the scheduler trims to the step's own K.
-
-    >>> draft_ceiling({"specserve_k": 3}, 16), draft_ceiling({"specserve_k": 3, "specserve_k_grow": [2, 5]}, 16)
-    (3, 5)
-    >>> draft_ceiling({"specserve_k": 0, "specserve_k_grow": [2, 5]}, 16), draft_ceiling(None, 6)
-    (0, 6)
-    """
-    k = requested_k(extra_args, k_max)
-    growth = growth_from(extra_args)
-    return min(max(k, growth[1]), k_max) if growth is not None and k > 0 else k
 
 
 def plan_drafts(modes: Sequence[str], ks: Sequence[int], drafting: Sequence[bool], num_tokens: Sequence[int],
@@ -204,23 +190,14 @@ class LookupProposer(NeverRaises):
         pass  # lookup has no weights
 
     def attach(self, runner) -> None:
-        """Take the runner's batch from now on, and the scheduler's bound on this step's drafts
-        (`num_spec_tokens_to_schedule`: 0 when no request may verify any), which vLLM hands its
-        own proposers but not a custom one: the runner's method is wrapped, on this runner only; and
-        the runner sends its drafts back with each step's sampled tokens (`draft_take.carry_drafts`)."""
+        """Take the runner's batch from now on, and the scheduler's bound on each step's drafts
+        (`watch_step_cap`); the runner sends its drafts back with each step's sampled tokens
+        (`draft_take.carry_drafts`)."""
         if self.runner is runner:
             return
         self.runner = runner
         carry_drafts(runner)  # the drafts go back with the sampled tokens: no fetch per step
-        original = getattr(runner, "propose_draft_token_ids", None)
-        if original is None:
-            return
-
-        def propose_draft_token_ids(scheduler_output, *args, **kwargs):
-            self.step_cap = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
-            return original(scheduler_output, *args, **kwargs)
-
-        runner.propose_draft_token_ids = propose_draft_token_ids
+        watch_step_cap(self, runner)
 
     def _requests(self, n: int) -> tuple[list[Optional[str]], list[str], list[int]]:
         if self.runner is None:
@@ -231,14 +208,13 @@ class LookupProposer(NeverRaises):
             params = getattr(self.runner.requests.get(req_id), "sampling_params", None)
             extra = params.extra_args if params is not None else None
             modes.append(request_mode(extra, self.default_mode))
-            ks.append(draft_ceiling(extra, self.k_max))
+            ks.append(requested_k(extra, self.k_max))
         return req_ids, modes, ks
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         n = len(sampled_token_ids)
         req_ids, modes, ks = self._requests(n)
-        if self.step_cap is not None:
-            ks = [min(k, max(int(self.step_cap), 0)) for k in ks]
+        ks = [capped(k, self.step_cap) for k in ks]
         nums = [int(num_tokens_no_spec[i]) for i in range(n)]
         plan = plan_drafts(modes, ks, [bool(s) for s in sampled_token_ids], nums, self.max_model_len,
                            has_ngram=self.ngram is not None)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP, plain_field
+from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_STEP, plain_field
 
 
 def pins_k0(extra_args: Optional[dict[str, Any]]) -> bool:
@@ -26,12 +26,12 @@ def pins_k0(extra_args: Optional[dict[str, Any]]) -> bool:
 
     >>> pins_k0({"specserve_k": 0, "specserve_mode": "none"}), pins_k0({"specserve_k": 2}), pins_k0(None)
     (True, False, False)
-    >>> pins_k0({"specserve_k": 0, "specserve_k_step": 0.5}), pins_k0({"specserve_k": 0, "specserve_k_grow": [1, 4]})
-    (False, False)
+    >>> pins_k0({"specserve_k": 0, "specserve_k_step": 0.5})
+    False
     """
     args = extra_args or {}
     return (args.get(EXTRA_ARGS_K) == 0 and not isinstance(args.get(EXTRA_ARGS_K), bool)
-            and EXTRA_ARGS_K_STEP not in args and EXTRA_ARGS_K_GROW not in args)
+            and EXTRA_ARGS_K_STEP not in args)
 
 
 def install_validation() -> bool:

@@ -1,8 +1,10 @@
-"""What every specserve proposer inside vLLM's engine core shares: `propose` never raises."""
+"""What every specserve proposer inside vLLM's engine core shares: `propose` never raises, and it
+drafts no more than the scheduler's bound on the step (`watch_step_cap`)."""
 
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 
 class NeverRaises:
@@ -29,3 +31,28 @@ class NeverRaises:
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         raise NotImplementedError
+
+
+def watch_step_cap(proposer, runner) -> None:
+    """From now on, `proposer.step_cap` is the scheduler's bound on the drafts of the step being
+    proposed for (`num_spec_tokens_to_schedule`: 0 when no request may verify any, e.g. in a step
+    the draft gate runs plainly), which vLLM hands its own proposers but not a custom one: the
+    runner's method is wrapped, on this runner only."""
+    original = getattr(runner, "propose_draft_token_ids", None)
+    if original is None:
+        return
+
+    def propose_draft_token_ids(scheduler_output, *args, **kwargs):
+        proposer.step_cap = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
+        return original(scheduler_output, *args, **kwargs)
+
+    runner.propose_draft_token_ids = propose_draft_token_ids
+
+
+def capped(k: int, step_cap: Optional[int]) -> int:
+    """A request's K in a step bounded by `step_cap` (None: no bound known).
+
+    >>> capped(6, None), capped(6, 2), capped(6, 0), capped(3, -1)
+    (6, 2, 0, 0)
+    """
+    return k if step_cap is None else min(k, max(int(step_cap), 0))

@@ -29,8 +29,8 @@ from typing import Any, Callable, Optional, Sequence
 from cluster.engine.draft_limits import BadFrame, WireLimits, parse_reply
 from cluster.engine.draft_wire import BodyError, Channel, WireError, client_handshake, secret_from_env
 from cluster.percentile import percentile
-from cluster.engine.proposer_base import NeverRaises
-from cluster.engine.vllm_scheduler import ADDITIONAL_CONFIG_KEY, cap_table_from, effective_k, requested_k
+from cluster.engine.proposer_base import NeverRaises, capped, watch_step_cap
+from cluster.engine.vllm_scheduler import ADDITIONAL_CONFIG_KEY, requested_k
 
 log = logging.getLogger("specserve.remote_proposer")
 
@@ -345,9 +345,6 @@ class RemoteDraftProposer(NeverRaises):
         spec = vllm_config.speculative_config
         self.k_max = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
-        extra = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {}) or {}
-        table = extra.get("k_cap_by_batch") or None
-        self.k_cap_table = sorted((int(a), int(b)) for a, b in table) if table else None
         s = remote_settings(vllm_config)
         self.session = RemoteDraftSession(
             connector(), timeout_s=float(s.get("timeout_s", 0.05)),
@@ -356,20 +353,24 @@ class RemoteDraftProposer(NeverRaises):
         )
         self.session.set_endpoint(s.get("endpoint"))
         self.runner = None
+        self.step_cap: Optional[int] = None  # this step's bound from the scheduler (None: unknown)
         self.errors = 0
 
     def load_model(self, *args, **kwargs) -> None:
         pass  # the drafter's model lives in the drafter deployment
 
     def attach(self, runner) -> None:
+        """Take the runner's batch from now on, and the scheduler's bound on each step's drafts
+        (`watch_step_cap`: the drafter is not asked for drafts no request may verify)."""
+        if self.runner is runner:
+            return
         self.runner = runner
+        watch_step_cap(self, runner)
 
-    def _k(self, req_id: str, batch_size: int) -> int:
+    def _k(self, req_id: str) -> int:
         state = self.runner.requests.get(req_id)
         params = getattr(state, "sampling_params", None)
-        extra = params.extra_args if params is not None else None
-        k = requested_k(extra, self.k_max)
-        return effective_k(k, self.k_max, batch_size, cap_table_from(extra) or self.k_cap_table)
+        return capped(requested_k(params.extra_args if params is not None else None, self.k_max), self.step_cap)
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         n = len(sampled_token_ids)
@@ -381,7 +382,7 @@ class RemoteDraftProposer(NeverRaises):
             num_tokens = int(num_tokens_no_spec[i])
             k = 0
             if sampled_token_ids[i] and num_tokens < self.max_model_len:
-                k = min(self._k(req_ids[i], n), self.max_model_len - num_tokens - 1)
+                k = min(self._k(req_ids[i]), self.max_model_len - num_tokens - 1)
             batch.append(SeqWork(req_ids[i], token_ids_cpu[i, :num_tokens], max(k, 0)))
         return self.session.step(batch)
 

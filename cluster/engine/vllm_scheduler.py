@@ -1,44 +1,34 @@
 """Per-request K inside one vLLM engine: a scheduler that trims each request's drafts to its own K.
 
 vLLM fixes `num_speculative_tokens` (K_max) per engine. This scheduler (passed to the engine as
-`scheduler_cls`) reads each request's K from `SamplingParams.extra_args[EXTRA_ARGS_K]`, caps it per
-step by the engine's current batch size with the pool's cap table (sent with each request by the
-router from the tuned state, else the engine's start-up `k_cap_by_batch`), so a long request that
-meets a load spike stops paying for speculation, and
+`scheduler_cls`) gives every request its own K at every step, by one of two rules:
 
-1. trims the drafts the proposer returned for the request to that K before they are scheduled
-   for verification (`update_draft_token_ids`, the synchronous-scheduling path), and
-2. tells the proposer to draft only as many tokens as the largest K in the running batch
-   (`SchedulerOutput.num_spec_tokens_to_schedule`), so K = 0 batches do no drafting work (for a
-   growing request, the K it may have when those drafts are verified: see `schedule`), and the
-   engine core does not fetch drafts after such a step, nor after any step whose worker sent its
-   drafts with the sampled tokens (`cluster.engine.draft_take`).
+- **per step** (the router's requests: `SamplingParams.extra_args[EXTRA_ARGS_K_STEP]` carries the
+  class's acceptance): the K is chosen jointly with the whole batch by
+  `cluster.engine.step_k.choose_step_ks`, up to the request's ceiling (`EXTRA_ARGS_K`, the pool's
+  max_k), from the drafts the proposer found, the request's own recent acceptance and the engine's
+  step time, which the scheduler measures on its own decode steps (`StepCost`: from the end of
+  `schedule` to `update_from_output`, the model's forward pass, sampling and drafting). Before each
+  step the draft gate (`cluster.engine.draft_gate`) says whether these requests may verify drafts
+  at all at the current batch size; it learns from every decode step it governed (`gate_step`):
+  the tokens the step yielded and the engine core's whole cycle from that step's `schedule` to the
+  next.
+- **fixed** (a K the caller named, or the configured default's): the request verifies
+  min(K, drafts found) at every step, and counts in the step's cost. Suffix-mode requests, whose
+  drafts are self-limiting (`drafts_self_limiting`), are kept whole up to their ceiling the same way.
 
-A request may also carry a growth rule [step, top] (`EXTRA_ARGS_K_GROW`, set by the router when
-the policy chose its K and the pool enables it): after a step that drafted and accepted its full K,
-the next step's K is that K + step (up to top and K_max), and after a rejection it is the admitted K
-again; a step without drafts leaves it. A fully accepted step means the text is copying a span of
-the context, so the next drafts are likely accepted too (Hugging Face's assisted generation grows
-its K the same way). A grown K obeys the table's load caps (entries after the first) but not the
-first entry, which is only the largest K admitted at batch 1 (`policy.k_cap_table`). The outcome of
-each step is read in `update_from_output` from what vLLM scheduled and sampled, as vLLM does.
+The scheduler
 
-A request may instead carry its class's acceptance (`EXTRA_ARGS_K_STEP`, set by the router when the
-policy chose): then its K at every step is chosen jointly with the whole batch by
-`cluster.engine.step_k.choose_step_ks`, up to its K, from the drafts the proposer found, the request's own
-recent acceptance and the engine's step time, which the scheduler measures on its own decode
-steps (`StepCost`: from the end of `schedule` to `update_from_output`, the model's forward pass,
-sampling and drafting). Requests with a fixed K keep it and count in the step's cost, and so do
-suffix-mode requests, whose drafts are self-limiting (`drafts_self_limiting`) up to their ceiling.
-
-Before each step the draft gate (`cluster.engine.draft_gate`) says whether those per-step-K
-requests may verify drafts at all at the current batch size; it learns from every decode step it
-governed (`gate_step`): the tokens the step yielded and the engine core's whole cycle from that
-step's `schedule` to the next.
+1. trims the drafts the proposer returned for each request to its K before they are scheduled for
+   verification (`update_draft_token_ids`, the synchronous-scheduling path), and
+2. tells the proposer to draft only as many tokens as the largest ceiling in the running batch
+   (`SchedulerOutput.num_spec_tokens_to_schedule`), so batches that may verify nothing do no
+   drafting work, and the engine core does not fetch drafts after such a step, nor after any step
+   whose worker sent its drafts with the sampled tokens (`cluster.engine.draft_take`).
 
 Verification and rejection sampling are vLLM's own, so the output distribution is unchanged.
-The decisions are the pure functions `effective_k`, `grown_effective_k` and `next_k`; the class
-only wires them into vLLM.
+The decisions are pure functions (`requested_k`, `step_ceiling`, `step_k.choose_step_ks`); the
+class only wires them into vLLM.
 """
 
 from __future__ import annotations
@@ -50,14 +40,10 @@ from typing import Any, Optional, Sequence
 from cluster.engine.draft_gate import DraftGate, bucket_label, bucket_of
 from cluster.engine.draft_take import ASKED_ATTR, CARRIED_ATTR, carried_from, skip_empty_takes
 from cluster.engine.worker_wait import block_on_replies
-from cluster.speculation import (EXTRA_ARGS_K, EXTRA_ARGS_K_CAP, EXTRA_ARGS_K_GROW, EXTRA_ARGS_K_STEP, EXTRA_ARGS_MODE,
-                                 KCapTable, SpecMode, k_cap_for_batch)  # noqa: F401 - re-exported
+from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_STEP, EXTRA_ARGS_MODE, SpecMode
 from cluster.engine.step_k import (PRIOR_RELATIVE_COST, RequestDrafts, StepCost, StepCostLine, acceptance, batch_optimism,
                                    choose_step_ks, next_acceptance)
 
-# Attributes the scheduler keeps on a vLLM Request: the K state of a growing request, and the
-# effective K its latest drafts were trimmed to.
-_K_STATE, _K_USED = "_specserve_k_state", "_specserve_k_used"
 _ACCEPT = "_specserve_accept"  # (successes, failures) of a per-step-K request's recent drafts
 # Key under vLLM's `additional_config` holding specserve's engine-side settings, the settings of
 # the batch at which per-step-K requests draft (`PoolConfig.step_k_max_batch`, `step_k_explore`), and how
@@ -79,28 +65,6 @@ def requested_k(extra_args: Optional[dict[str, Any]], k_max: int) -> int:
     except (TypeError, ValueError):
         return 0  # validated at the API edge; never let a bad value crash the engine
     return max(0, min(k, k_max))
-
-
-def cap_table_from(extra_args: Optional[dict[str, Any]]) -> Optional[list[tuple[int, int]]]:
-    """The cap table a request carries (sent by the router from the tuned state), or None.
-
-    Malformed tables are ignored (None), never an engine error.
-    """
-    raw = (extra_args or {}).get(EXTRA_ARGS_K_CAP)
-    if not isinstance(raw, (list, tuple)) or not raw or len(raw) > 64:
-        return None
-    try:
-        table = sorted((int(a), int(b)) for a, b in raw)
-    except (TypeError, ValueError):
-        return None
-    return table if all(a >= 1 and b >= 0 for a, b in table) else None
-
-
-def effective_k(k_requested: int, k_max: int, batch_size: int, table: Optional[KCapTable] = None) -> int:
-    """K used for one request in one step: its own K, bounded by the engine's K_max and load cap."""
-    k = max(0, min(k_requested, k_max))
-    cap = k_cap_for_batch(batch_size, table)
-    return k if cap is None else min(k, max(0, cap))
 
 
 def step_alpha_from(extra_args: Optional[dict[str, Any]]) -> Optional[float]:
@@ -187,61 +151,6 @@ def step_shape(num_scheduled_tokens: dict[str, int], spec_tokens: Optional[dict[
     return len(num_scheduled_tokens), drafts
 
 
-def growth_from(extra_args: Optional[dict[str, Any]]) -> Optional[tuple[int, int]]:
-    """The growth rule (step, top) a request carries, or None (no growth; malformed ones too).
-
-    >>> growth_from({"specserve_k_grow": [2, 5]}), growth_from({"specserve_k_grow": [0, 5]}), growth_from(None)
-    ((2, 5), None, None)
-    """
-    raw = (extra_args or {}).get(EXTRA_ARGS_K_GROW)
-    if not isinstance(raw, (list, tuple)) or len(raw) != 2:
-        return None
-    try:
-        step, top = int(raw[0]), int(raw[1])
-    except (TypeError, ValueError):
-        return None
-    return (step, top) if step >= 1 and top >= 1 else None
-
-
-def grown_effective_k(k_state: int, k_base: int, k_max: int, batch_size: int,
-                      table: Optional[KCapTable] = None) -> int:
-    """K used in one step by a request whose K may have grown (`k_state`) past its admitted one
-    (`k_base`). Up to the admitted K this is `effective_k`; a grown K is bounded by K_max and by the
-    table's load caps only, not by its first entry (the largest K admitted at batch 1, which caps
-    admissions, not growth).
-
-    >>> table = [(1, 4), (4, 2), (16, 0)]
-    >>> [grown_effective_k(6, 3, 6, b, table) for b in (1, 3, 4, 16)]
-    [6, 6, 2, 0]
-    >>> grown_effective_k(3, 3, 6, 1, [(1, 2)])  # not grown: the whole table applies
-    2
-    """
-    if k_state <= k_base:
-        return effective_k(k_state, k_max, batch_size, table)
-    return effective_k(k_state, k_max, batch_size, list(table)[1:] if table else None)
-
-
-def next_k(k_used: int, k_state: int, k_base: int, growth: Optional[tuple[int, int]],
-           drafted: int, accepted: int) -> int:
-    """The request's K state after a step that ran at `k_used` (its effective K) and verified
-    `drafted` drafts of which `accepted` were accepted.
-
-    >>> g = (2, 5)
-    >>> next_k(3, 3, 3, g, 3, 3), next_k(5, 5, 3, g, 5, 5), next_k(5, 5, 3, g, 5, 4)  # grow, top, reset
-    (5, 5, 3)
-    >>> next_k(5, 5, 3, g, 0, 0), next_k(3, 3, 3, g, 2, 2), next_k(3, 3, 3, None, 3, 3)  # keep; short; off
-    (5, 3, 3)
-    """
-    if growth is None:
-        return k_base
-    if drafted <= 0:
-        return k_state  # nothing verified: nothing learnt about the text
-    if k_used > 0 and accepted >= drafted >= k_used:
-        step, top = growth
-        return max(k_base, min(top, k_used + step))
-    return k_base
-
-
 def extra_args_of(request) -> Optional[dict[str, Any]]:
     """The specserve settings a vLLM request carries (`SamplingParams.extra_args`), None for no
     request or none set."""
@@ -266,10 +175,8 @@ def _make_scheduler_cls():
             skip_empty_takes()  # this process is the engine core: drafts carried back or not needed, no fetch
 
         def start_state(self, extra: dict[str, Any]) -> None:
-            """specserve's own state, from its `additional_config` entry: the load cap table, the
-            step-time line and the draft gate."""
-            table = extra.get("k_cap_by_batch") or None
-            self.k_cap_table = sorted((int(a), int(b)) for a, b in table) if table else None
+            """specserve's own state, from its `additional_config` entry: the step-time line and the
+            draft gate."""
             max_batch = extra.get(STEP_K_MAX_BATCH_KEY)
             self.gate = DraftGate(prior_max_batch=int(max_batch) if max_batch is not None else None,
                                   explore=float(extra.get(STEP_K_EXPLORE_KEY, 0.0)))
@@ -281,21 +188,14 @@ def _make_scheduler_cls():
             self.step_cost = StepCost()
             self._step_started: Optional[tuple[float, int, int]] = None  # (perf_counter, requests, drafts)
 
-        def _k_for(self, request, batch_size: int, ahead: bool = False) -> int:
-            """The request's K this step; `ahead`: the largest it may have once the step in flight
-            is judged (its state + step, when it grows), which is what the proposer must draft."""
+        def _k_for(self, request) -> int:
+            """The largest K the request may verify this step: a per-step request's ceiling (0 in a
+            step the draft gate runs plainly; `update_draft_token_ids` picks within it), or a fixed K."""
             extra = extra_args_of(request)
             k_req = requested_k(extra, self.num_spec_tokens)
-            if step_alpha_from(extra) is not None:  # its ceiling; update_draft_token_ids picks
+            if step_alpha_from(extra) is not None:
                 return step_ceiling(k_req, self.num_spec_tokens, self._draft_next)
-            table = cap_table_from(extra) or self.k_cap_table
-            k_state = getattr(request, _K_STATE, None)
-            growth = growth_from(extra) if ahead else None
-            if growth is not None and k_req > 0:
-                k_state = min(max(k_state or k_req, k_req) + growth[0], growth[1])
-            if k_state is None:
-                return effective_k(k_req, self.num_spec_tokens, batch_size, table)
-            return grown_effective_k(k_state, k_req, self.num_spec_tokens, batch_size, table)
+            return k_req
 
         def update_draft_token_ids(self, draft_token_ids) -> None:
             batch_size = len(self.running)
@@ -306,7 +206,7 @@ def _make_scheduler_cls():
                     continue
                 extra = extra_args_of(request)
                 alpha = step_alpha_from(extra)
-                k = self._k_for(request, batch_size)
+                k = self._k_for(request)
                 drafts = len(draft_token_ids.draft_token_ids[i])
                 if alpha is not None:
                     alpha = acceptance(alpha, *getattr(request, _ACCEPT, (0.0, 0.0)),
@@ -316,7 +216,6 @@ def _make_scheduler_cls():
                                              fixed=alpha is None or drafts_self_limiting(extra)))
             line = self.step_cost.line() or StepCostLine(*PRIOR_RELATIVE_COST)
             for (i, request), k in zip(rows, choose_step_ks(choices, line)):
-                setattr(request, _K_USED, k)
                 drafts = draft_token_ids.draft_token_ids[i]
                 if len(drafts) > k:
                     draft_token_ids.draft_token_ids[i] = list(drafts[:k])
@@ -330,35 +229,21 @@ def _make_scheduler_cls():
                 self.step_cost.observe(n_req, n_drafts, time.perf_counter() - t0)
             if self._gate_step is not None and self._gate_step[3] is None:  # its tokens, for the gate's arm
                 self._gate_step[3] = sum(len(t) for t in model_runner_output.sampled_token_ids)
-            # Before vLLM's own bookkeeping: the K state of growing requests and the acceptance of
-            # per-step-K ones from this step's outcome (drafts scheduled, tokens sampled:
-            # accepted = sampled - 1, as vLLM counts them).
+            # Before vLLM's own bookkeeping: the acceptance of per-step-K requests from this step's
+            # outcome (drafts scheduled, tokens sampled: accepted = sampled - 1, as vLLM counts them).
             scheduled = scheduler_output.scheduled_spec_decode_tokens
             sampled = model_runner_output.sampled_token_ids
             index = model_runner_output.req_id_to_index
             for req_id, drafts in (scheduled or {}).items():
                 request = self.requests.get(req_id)
-                if request is None or request.sampling_params is None:
+                if request is None or step_alpha_from(extra_args_of(request)) is None:
                     continue
-                extra = request.sampling_params.extra_args
-                growth = growth_from(extra)
                 i = index.get(req_id)
                 if i is None or i >= len(sampled) or not len(sampled[i]):
                     continue
-                if step_alpha_from(extra) is not None:
-                    drafted = sum(1 for t in drafts if t >= 0)
-                    setattr(request, _ACCEPT, next_acceptance(*getattr(request, _ACCEPT, (0.0, 0.0)), drafted,
-                                                              max(len(sampled[i]) - 1, 0)))
-                    continue
-                if growth is None:
-                    continue
-                k_base = requested_k(extra, self.num_spec_tokens)
-                k_state = getattr(request, _K_STATE, None)
-                k_state = k_base if k_state is None else k_state
                 drafted = sum(1 for t in drafts if t >= 0)  # -1: a draft the grammar invalidated
-                k_used = getattr(request, _K_USED, k_base)
-                setattr(request, _K_STATE, next_k(k_used, k_state, k_base, (growth[0], min(growth[1], self.num_spec_tokens)),
-                                                  drafted, max(len(sampled[i]) - 1, 0)))
+                setattr(request, _ACCEPT, next_acceptance(*getattr(request, _ACCEPT, (0.0, 0.0)), drafted,
+                                                          max(len(sampled[i]) - 1, 0)))
             return super().update_from_output(scheduler_output, model_runner_output)
 
         def schedule(self, *args, **kwargs):
@@ -379,13 +264,10 @@ def _make_scheduler_cls():
             gate_n = gate_step(output.num_scheduled_tokens, output.scheduled_spec_decode_tokens, governed)
             drafting_now = self._draft_next
             if self.num_spec_tokens and self.running:
-                # The drafts proposed in this step are verified in the next one, after this step's
-                # outcome has moved a growing request's K: draft for the K it may then have (drafting
-                # for the current K made each grown step verify the old K's drafts, which read as a
-                # short match and reset the K, so nothing grew). The gate picks the next step's arm.
-                batch_size = len(self.running)
-                self._draft_next = self.gate.allows(batch_size)
-                k_batch = max(self._k_for(r, batch_size, ahead=True) for r in self.running)
+                # The drafts proposed in this step are verified in the next one: the gate picks that
+                # step's arm now, and the proposer drafts for the ceilings it allows.
+                self._draft_next = self.gate.allows(len(self.running))
+                k_batch = max(self._k_for(r) for r in self.running)
                 output.num_spec_tokens_to_schedule = min(output.num_spec_tokens_to_schedule, k_batch)
             # The cost line is of steps after which the proposer drafts (those the K choice is for):
             # decode steps only, as a prefill's time is not a decode step's.

@@ -132,22 +132,22 @@ def _serve_applications(config_path: str, timeout_s: float) -> dict:
 
 
 def pool_status(cfg, router: dict, records: dict, tuning_rows: list[dict], now_unix_s: float) -> dict:
-    """Per pool: replicas (running / target), load, chosen K distribution and the autoscaler's last
-    decision and why, from the router's status, the autoscaler's records and the tuning rows."""
+    """Per pool: replicas (running / target), load, the mean K per step its requests ran at and the
+    autoscaler's last decision and why, from the router's status, the autoscaler's records and the
+    tuning rows."""
     names = list(cfg.pools) if cfg is not None else list((router.get("pools") or {}))
     out = {}
     for name in names:
         rp = (router.get("pools") or {}).get(name, {})
         rec = records.get(name) or {}
         mode = cfg.pools[name].method.value if cfg is not None else rp.get("method")
-        ks: dict[str, int] = {}
-        for row in tuning_rows:  # the incumbent K per (class, load bucket), weighted by requests
-            if row.get("mode") == mode and row.get("chosen_k_set"):
-                ks[str(row["chosen_k"])] = ks.get(str(row["chosen_k"]), 0) + int(row.get("samples", 0))
+        rows = [r for r in tuning_rows if r.get("mode") == mode and r.get("steps")]
+        steps = sum(int(r["steps"]) for r in rows)  # the mean K per step over the pool's cells, by steps
+        mean_k = round(sum(float(r.get("mean_k") or 0.0) * int(r["steps"]) for r in rows) / steps, 3) if steps else None
         entry = {"replicas": {"running": rec.get("running"), "target": rec.get("target")},
                  "load": {"router_inflight": rp.get("inflight"), "autoscaler_load": rec.get("load"),
                           "engine_unfinished": (rp.get("engine") or {}).get("unfinished")},
-                 "chosen_k": {"incumbent_by_requests": ks, "live_mean_k": rec.get("mean_k")}}
+                 "k": {"mean_per_step": mean_k, "live_mean_k": rec.get("mean_k")}}
         if rec:
             entry["autoscaler"] = {
                 "decision": rec.get("action"), "reason": rec.get("reason"),
@@ -216,7 +216,7 @@ def cmd_tuning(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    cols = ["model", "mode", "workload_class", "load_bucket", "chosen_k", "acceptance_length", "tokens_per_s",
+    cols = ["model", "mode", "workload_class", "load_bucket", "mean_k", "acceptance_length", "tokens_per_s",
             "samples", "acceptance_per_position", "runs", "mean_run", "step_ms_at_k"]
     print(f"# tuning state at {cfg.redis.url} (redis {'reachable' if reachable else 'NOT reachable'}), "
           f"{len(rows)} cells")
@@ -324,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="send as a raw prompt, without the chat template")
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("status", help="pools (replicas, load, chosen K, the autoscaler's last decision), Redis")
+    s = sub.add_parser("status", help="pools (replicas, load, mean K, the autoscaler's last decision), Redis")
     s.add_argument("--url", default=DEFAULT_URL)
     s.add_argument("--config", default=None, help="also ping this config's Redis directly "
                    "(and attach to Ray as that config starts it; default: the local default's)")

@@ -26,7 +26,7 @@ class RouterMetrics:
         self.acceptance_length = Histogram(
             "specserve_acceptance_length", "Output tokens per decode step of a request (accepted/steps + 1).",
             boundaries=[1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.0], tag_keys=_TAGS)
-        self.chosen_k = Histogram("specserve_chosen_k", "K chosen at admission.",
+        self.chosen_k = Histogram("specserve_chosen_k", "K at admission: the caller's, fixed, or the ceiling of the engine's K per step.",
                                   boundaries=[0.5, 1.5, 2.5, 3.5, 4.5, 6.5, 8.5, 16.5], tag_keys=_TAGS)
         self.fallbacks = Counter("specserve_tuning_fallbacks",
                                  "Decisions taken on defaults/priors because Redis tuning state was unavailable.",

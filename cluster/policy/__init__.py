@@ -2,12 +2,13 @@
 
 Contract: `choose_auto(pools, router, workload_class, tuning, rng)` returns the `Decision` that
 maximises the expected goodput of one request of `workload_class` at each pool's current load,
-from the tuned state `tuning` (a `TuningView`, or None for priors only); `k_cap_table` derives a
-pool's per-step `k_cap_by_batch` table from the same state.
+from the tuned state `tuning` (a `TuningView`, or None for priors only): the pool and drafting
+method, each candidate scored at its best K. The request's K itself is chosen by its engine at
+every step (`cluster.engine.step_k`), starting from the class's α learned here.
 
 Modules, each built on the ones before it: `cells` (load buckets and the tuning state),
 `params` (knobs and cold-start priors), `model` (expected tokens per step), `cost` (step cost and
-score), `choice` (`choose_auto`), `caps` (`k_cap_table`), `rows` (`tuning_rows`).
+score), `choice` (`choose_auto`), `rows` (`tuning_rows`).
 
 Words are those of `cluster.speculation`; in addition:
 
@@ -74,18 +75,15 @@ best sampled (pool, K) wins (Thompson sampling), so a confidently worse pool is 
 tried; the draw is bounded by its regret: only a (pool, K) whose score at an optimistic α
 (2 sigma up) comes within 5% of the exploiting choice may be drawn, so a draw never buys a
 request plain decoding (which teaches nothing about α) where speculation is known to pay; counts
-are capped so the posterior never freezes. Hysteresis: the incumbent K of a (mode, class, bucket)
-is kept unless another K beats it by a margin that shrinks with the class's data (5% cold, 2% at
-5,000 trials). Ties (within `tie_tol`) go to the cheapest proposer for K = 0, then to the less
+are capped so the posterior never freezes. Ties (within `tie_tol`) go to the cheapest proposer for K = 0, then to the less
 loaded pool, or, for pools that share hardware, to the busier one.
 """
 
-from cluster.policy.caps import class_weights, k_cap_table
 from cluster.policy.cells import (
     BUCKET_BATCH, BUCKET_NAMES, LOAD_BUCKETS, MAX_K, CellKey, CellStats, TuningView, load_bucket,
 )
 from cluster.policy.choice import (
-    Candidate, beta_upper, choose_auto, exploration_rate, explorable_ks, hysteresis_k, hysteresis_margin, score_pool,
+    Candidate, beta_upper, choose_auto, exploration_rate, explorable_ks, score_pool,
 )
 from cluster.policy.cost import (
     best_k, cost_per_k, joining_step_rel, measured_overheads, prior_cost_per_k, prior_step_cost, score, score_at,
@@ -104,8 +102,8 @@ __all__ = [
     "BUCKET_BATCH", "BUCKET_NAMES", "DEFAULT_PARAMS", "LOAD_BUCKETS", "MAX_K", "PRIOR_ALPHA_BY_MODE",
     "PRIOR_ALPHA_NGRAM", "PRIOR_DRAFT_COST", "PRIOR_DRAFT_STEP_COST", "Candidate", "CellKey", "CellStats",
     "PolicyParams", "TuningView", "alpha_posterior", "best_k", "beta_upper", "choose_auto", "class_model",
-    "class_runs", "class_weights", "cost_per_k", "draft_rate", "expected_tokens", "expected_tokens_per_step",
-    "exploration_rate", "explorable_ks", "hysteresis_k", "hysteresis_margin", "joining_step_rel", "k_cap_table",
+    "class_runs", "cost_per_k", "draft_rate", "expected_tokens", "expected_tokens_per_step",
+    "exploration_rate", "explorable_ks", "joining_step_rel",
     "load_bucket", "measured_overheads", "prior_alpha", "prior_cost_per_k", "prior_step_cost", "run_tokens_per_step",
     "score", "score_at", "score_pool", "score_tokens", "step_cost", "step_overheads", "step_time_rel", "tuning_rows",
 ]

@@ -116,14 +116,13 @@ _ZERO = CellStats()
 
 @dataclass(frozen=True)
 class TuningView:
-    """What the policy knows of one model: validated cells and incumbent K per cell.
+    """What the policy knows of one model: its validated cells.
 
     `rng` is the router replica's seeded exploration RNG, carried with the view so that `route`
     needs no extra argument; None disables exploration (pure exploitation, deterministic)."""
 
     model: str
     cells: Mapping[CellKey, CellStats] = field(default_factory=dict)
-    chosen_k: Mapping[CellKey, int] = field(default_factory=dict)
     fetched_unix_s: float = 0.0
     rng: Optional[random.Random] = field(default=None, compare=False)
     # (mode, bucket) -> sum over classes, (mode, class) -> sum over buckets; computed once from

@@ -1,4 +1,6 @@
-"""The choice: `choose_auto` scores every pool's K for one request and returns the `Decision` of the best (pool, K), with hysteresis and bounded exploration."""
+"""The choice: `choose_auto` scores every pool's K for one request and returns the `Decision` of the best
+(pool, method), each scored at its best K, with bounded exploration. The engine then chooses K per step
+(`cluster.routing.route.per_step_k`)."""
 
 from __future__ import annotations
 
@@ -14,32 +16,6 @@ from cluster.policy.cost import best_k, joining_step_rel, score, score_at, step_
 from cluster.policy.model import class_model, class_runs, expected_tokens
 from cluster.policy.params import DEFAULT_PARAMS, PolicyParams
 from cluster.speculation import SpecMode
-
-
-def hysteresis_margin(trials: float, params: PolicyParams = DEFAULT_PARAMS) -> float:
-    """How much better than the incumbent K a new K must score: `margin` with no data, shrinking as
-    the noise of the scores does (~ 1 / sqrt(trials)) towards `margin_min`, which stays above the
-    tie tolerance so that K still does not flap between near-equal scores.
-
-    A fixed 5% locks in whatever K a class got while its data was thin: with every K from 3 to 6
-    within 5% at one stream here, a recorded state (tests/cluster/data/tuning-thin-incumbent-
-    bucket1.json) keeps math at K = 3 where 4,098 steps say K = 4 scores 3.4% better.
-
-    >>> [round(hysteresis_margin(n), 3) for n in (0, 100, 1000, 5000)]
-    [0.05, 0.04, 0.026, 0.02]
-    """
-    shrink = math.sqrt(params.prior_trials / (params.prior_trials + max(float(trials), 0.0)))
-    return params.margin_min + (params.margin - params.margin_min) * shrink
-
-
-def hysteresis_k(scores: Mapping[int, float], incumbent: Optional[int], params: PolicyParams = DEFAULT_PARAMS,
-                 trials: float = 0.0) -> int:
-    """Keep the incumbent K unless the best K beats it by more than `hysteresis_margin(trials)` (so K
-    does not flap); `trials` is the evidence behind the scores (the class's observed drafting trials)."""
-    best = best_k(scores, params.tie_tol)
-    if incumbent is None or incumbent not in scores:
-        return best
-    return best if scores[best] > scores[incumbent] * (1.0 + hysteresis_margin(trials, params)) else incumbent
 
 
 def exploration_rate(trials: float, params: PolicyParams = DEFAULT_PARAMS) -> float:
@@ -60,7 +36,7 @@ class Candidate:
     cost: float
     step_rel: float
     scores: Mapping[int, float]  # K -> score, K in 0..pool.max_k
-    k: int  # chosen K after hysteresis
+    k: int  # the best K: its score stands for the candidate
     fixed_cost: float = 0.0  # f: the proposer's fixed cost of a drafting step
     runs: tuple[int, ...] = ()  # measured accepted runs of the class ([L] = runs of L tokens)
     draftless: float = 0.0  # ... and its steps that drafted nothing
@@ -119,9 +95,7 @@ def score_pool(pool: PoolView, workload_class: str, view: Optional[TuningView], 
     alpha, (a, b), p, (fixed, cost), (runs, draftless), overheads, scores = _pool_scores(
         view, mode, workload_class, bucket, max_k, step_rel, pool.prior_alpha, params, pool.prior_draft_cost,
         pool.prior_draft_rate)
-    incumbent = view.chosen_k.get((mode, workload_class, bucket)) if view is not None else None
-    trials = max(a + b - params.prior_trials, 0.0)  # observed drafting trials (capped with the posterior)
-    return Candidate(pool, bucket, alpha, (a, b), p, cost, step_rel, scores, hysteresis_k(scores, incumbent, params, trials),
+    return Candidate(pool, bucket, alpha, (a, b), p, cost, step_rel, scores, best_k(scores, params.tie_tol),
                      fixed, runs, draftless, overheads)
 
 
@@ -210,7 +184,7 @@ def choose_auto(
 ) -> Decision:
     """Pool, mode and K that maximise the request's expected goodput (see module doc).
 
-    Exploits the posterior means with hysteresis; with probability ε (when an RNG is given, or
+    Exploits the posterior means; with probability ε (when an RNG is given, or
     `tuning.rng`) explores by Thompson sampling: every pool draws α from its posterior and the
     best sampled (pool, K) wins, so a pool whose posterior is confidently worse is almost never
     tried while an uncertain one is. K is always within 0..pool.max_k; K = 0 means mode none.
@@ -242,9 +216,6 @@ def choose_auto(
         "score": round(chosen.scores[k], 4),
         "scores": {(c.pool.name if c.pool.method == p.method else f"{c.pool.name}:{c.mode}"): round(c.scores[c.k], 4)
                    for p in pools for c in cands if c.pool.name == p.name},
-        "k_scores": {str(j): round(s, 4) for j, s in sorted(chosen.scores.items())},  # the chosen pool's
-        # the incumbent K was kept though another K scored higher (within the hysteresis margin)
-        "hysteresis": not explore and k != min(best_k(chosen.scores, params.tie_tol), chosen.pool.max_k),
     }
     mode = chosen.pool.method if k > 0 else SpecMode.NONE
     return Decision(pool=chosen.pool.name, mode=mode, k=k, decided_by="policy",

@@ -48,8 +48,6 @@ class PolicyParams:
     verify_cost_b1: float = 0.03
     verify_cost_per_batch: float = 0.0104
     step_time_per_batch: float = 0.08  # plain step time grows ~2.2x from batch 1 to 16 on this CPU
-    margin: float = 0.05  # a new K must beat the incumbent's score by this fraction with no data, ...
-    margin_min: float = 0.015  # ... shrinking towards this as the class's trials grow (hysteresis_margin)
     tie_tol: float = 0.01  # scores within this fraction count as equal; the smaller K wins
     eps_max: float = 0.20  # exploration probability with no data
     eps_min: float = 0.02  # ... and with plenty

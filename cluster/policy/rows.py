@@ -11,16 +11,14 @@ from cluster.speculation import SpecMode
 
 def tuning_rows(view: TuningView, params: PolicyParams = DEFAULT_PARAMS) -> list[dict]:
     """One row per cell with data, for `specserve tuning` and GetTuning. The keys model, mode,
-    workload_class, load_bucket, chosen_k, acceptance_length, acceptance_per_position,
-    tokens_per_s and samples match `TuningEntry` and are never None; the rest are extras."""
+    workload_class, load_bucket, acceptance_length, acceptance_per_position, tokens_per_s,
+    samples and mean_k match `TuningEntry` and are never None; the rest are extras."""
     order = {b: i for i, b in enumerate(BUCKET_NAMES)}
     rows = []
     for (mode, c, bucket), cell in sorted(view.cells.items(), key=lambda kv: (kv[0][0], kv[0][1], order.get(kv[0][2], 99))):
         a, b = alpha_posterior(cell, prior_alpha(mode, c), params)
-        chosen = view.chosen_k.get((mode, c, bucket))
         rows.append({
             "model": view.model, "mode": mode, "workload_class": c, "load_bucket": bucket,
-            "chosen_k": chosen if chosen is not None else 0, "chosen_k_set": chosen is not None,
             "acceptance_length": round(cell.acceptance_length, 4),
             "acceptance_per_position": [round(p, 4) for p in cell.per_position_acceptance if p is not None],
             "tokens_per_s": round(cell.tokens_per_s or 0.0, 3), "samples": cell.requests,

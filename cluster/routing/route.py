@@ -14,14 +14,15 @@ from typing import Optional
 from cluster.api.types import ApiError, ErrorCode
 from cluster.config import ClusterConfig, PoolConfig, RouterConfig
 from cluster.policy.decision import Decision, OtherMethod, PoolView
-from cluster.policy import TuningView, choose_auto, k_cap_table
-from cluster.speculation import SpecMode, k_cap_for_batch
+from cluster.policy import TuningView, choose_auto
+from cluster.speculation import SpecMode
 
 
-# What a response reports of its decision (`specserve.decision`, HTTP): the load bucket it was
-# admitted at, the batch it joined and, for a policy decision, the scores behind the choice.
-DECISION_FIELDS = ("load_bucket", "join_batch", "alpha", "draft_rate", "score", "scores", "k_scores", "hysteresis",
-                   "k_uncapped",  # the policy's K before the per-step cap table cut it at admission
+# What a response reports of its decision (`specserve.decision`, HTTP): who chose its K, the load
+# bucket it was admitted at, the batch it joined and, for a policy decision, the scores behind the
+# choice of pool and method.
+DECISION_FIELDS = ("k_by",  # "engine": K per step up to `k` (`per_step_k`); "request" / "default": `k`, fixed
+                   "load_bucket", "join_batch", "alpha", "draft_rate", "score", "scores",
                    "k_step_alpha",  # the class α a per-step-K request started from (`per_step_k`)
                    "plain_for")  # the sampling field that needs K = 0 (`cluster.speculation.plain_field`)
 
@@ -29,38 +30,15 @@ DECISION_FIELDS = ("load_bucket", "join_batch", "alpha", "draft_rate", "score", 
 def decision_summary(d: Decision) -> dict:
     """The reported part of `d.detail`.
 
-    >>> d = Decision("p", SpecMode.NGRAM, 3, "policy", detail={"load_bucket": "16+", "cost_per_k": 0.1,
-    ...                                                      "k_scores": {"0": 0.12, "1": 0.13, "3": 0.14}})
+    >>> d = Decision("p", SpecMode.NGRAM, 6, "policy", detail={"load_bucket": "16+", "cost_per_k": 0.1,
+    ...                                                      "k_by": "engine", "k_step_alpha": 0.5})
     >>> decision_summary(d)
-    {'load_bucket': '16+', 'k_scores': {'0': 0.12, '1': 0.13, '3': 0.14}}
-    >>> decision_summary(cap_at_admission(d, [(1, 3), (16, 1)], 20.0))["k_uncapped"]
-    3
+    {'k_by': 'engine', 'load_bucket': '16+', 'k_step_alpha': 0.5}
+    >>> decision_summary(Decision("p", SpecMode.NGRAM, 3, "request"))
+    {'k_by': 'request'}
     """
-    return {f: d.detail[f] for f in DECISION_FIELDS if f in (d.detail or {})}
-
-
-def cap_at_admission(decision: Decision, table, batch: float) -> Decision:
-    """`decision` with its K lowered to what its engine's per-step cap `table` allows at the batch
-    the request joins (the engine applies the same cap at every step, `cluster.engine.vllm_scheduler`), so
-    that the K the response reports, the K-chosen metric and the tuning counters of that K (the
-    step time per K) are the K that ran. The policy's own K stays in `detail["k_uncapped"]`.
-    (Otherwise a cap table that caps every K = 6 choice to 5 at batch 1 files their steps under
-    K = 6.)
-
-    >>> d = Decision(pool="ngram", mode=SpecMode.NGRAM, k=6, decided_by="policy")
-    >>> c = cap_at_admission(d, [(1, 5), (2, 2), (16, 0)], 1.0); (c.k, c.mode.value, c.detail)
-    (5, 'ngram', {'k_uncapped': 6})
-    >>> cap_at_admission(d, [(1, 5), (2, 2), (16, 0)], 17.0).mode.value
-    'none'
-    >>> cap_at_admission(d, [(1, 6), (2, 2)], 1.0) is d, cap_at_admission(d, None, 1.0) is d
-    (True, True)
-    """
-    cap = k_cap_for_batch(max(int(round(batch)), 1), table)
-    if cap is None or cap >= decision.k:
-        return decision
-    cap = max(int(cap), 0)
-    return replace(decision, k=cap, mode=decision.mode if cap > 0 else SpecMode.NONE,
-                   detail={**decision.detail, "k_uncapped": decision.k})
+    detail = {"k_by": d.decided_by, **(d.detail or {})}
+    return {f: detail[f] for f in DECISION_FIELDS if f in detail}
 
 
 def pool_views(config: ClusterConfig) -> list[PoolView]:
@@ -220,51 +198,25 @@ def drafting_mode(decision: Decision, pool: PoolConfig) -> SpecMode:
 
 
 def per_step_k(decision: Decision, pool: PoolConfig, class_alpha: float) -> Decision:
-    """A policy decision on a pool that chooses K per step (`PoolConfig.step_k`) runs the pool's
-    method up to its max_k, the engine choosing K at every step from the batch and the request's
-    acceptance, which starts at its class's α (`cluster.engine.step_k`). Other decisions are unchanged:
-    a K the caller named stays fixed.
+    """A policy decision runs its pool's drafting method up to the pool's max_k, the engine choosing
+    K at every step from the batch and the request's acceptance, which starts at its class's α
+    (`cluster.engine.step_k`): the policy chose pool and method, the engine chooses K. Other
+    decisions are unchanged: a K the caller named, or the configured default's, stays fixed.
 
     >>> p = PoolConfig(model="m", method="ngram", max_k=6)
     >>> d = per_step_k(Decision("ngram", SpecMode.NONE, 0, "policy"), p, 0.42); (d.mode.value, d.k, d.detail)
-    ('ngram', 6, {'k_step_alpha': 0.42, 'k_policy': 0})
+    ('ngram', 6, {'k_step_alpha': 0.42, 'k_by': 'engine'})
     >>> per_step_k(Decision("ngram", SpecMode.NGRAM, 3, "request"), p, 0.42).k
     3
-    >>> per_step_k(Decision("ngram", SpecMode.NGRAM, 3, "policy"), p.model_copy(update={"step_k": False}), 0.4).k
-    3
+    >>> per_step_k(Decision("plain", SpecMode.NONE, 0, "policy"), PoolConfig(model="m", method="none"), 0.4).k
+    0
     """
     if decision.decided_by != "policy" or not pool.uses_step_k:
         return decision
     alpha = min(max(float(class_alpha), 0.0), 1.0)
     mode = drafting_mode(decision, pool)
     return replace(decision, mode=mode, k=pool.mode_max_k(mode),
-                   detail={**decision.detail, "k_step_alpha": round(alpha, 4), "k_policy": decision.k})
-
-
-def growth_rule(pool: PoolConfig, decision: Decision, k_grow: Optional[int] = None) -> Optional[tuple[int, int]]:
-    """(step, top) of the K growth a request gets inside its engine (`cluster.engine.vllm_scheduler`), or
-    None for a fixed K. The request's own `speculative.k_grow` wins (0: none); otherwise a K the
-    policy chose grows by the pool's `k_grow_step`, and a K the request named or the configured
-    default stays fixed (a caller who names K gets that K). `top` is the pool's `k_grow_max`
-    (else max_k); growth from a K already at the top is none.
-
-    >>> p = PoolConfig(model="m", method="ngram", max_k=6, k_grow_step=2, k_grow_max=5)
-    >>> growth_rule(p, Decision("ngram", SpecMode.NGRAM, 3, "policy"))
-    (2, 5)
-    >>> growth_rule(p, Decision("ngram", SpecMode.NGRAM, 3, "request")), growth_rule(p, Decision("ngram", SpecMode.NGRAM, 3, "request"), 1)
-    (None, (1, 5))
-    >>> growth_rule(p, Decision("ngram", SpecMode.NGRAM, 5, "policy")), growth_rule(p, Decision("ngram", SpecMode.NONE, 0, "policy"))
-    (None, None)
-    """
-    if decision.k <= 0:
-        return None
-    if k_grow is not None and k_grow > 0 and pool.method == SpecMode.REMOTE_DRAFT:
-        raise ApiError(ErrorCode.INVALID_ARGUMENT,
-                       "speculative.k_grow: the remote_draft pool's drafter drafts a fixed K; omit k_grow or set 0",
-                       field="speculative.k_grow")
-    step = k_grow if k_grow is not None else (pool.k_grow_step if decision.decided_by == "policy" else 0)
-    top = min(pool.k_grow_max or pool.max_k, pool.max_k)
-    return (int(step), int(top)) if step > 0 and decision.k < top else None
+                   detail={**decision.detail, "k_step_alpha": round(alpha, 4), "k_by": "engine"})
 
 
 def explain_choices(
@@ -272,16 +224,14 @@ def explain_choices(
 ) -> list[dict]:
     """What `auto` would choose, exploiting only (no exploration draw), for each workload class at
     each batch size, from the tuning view `tuning` (None for the cold-start priors): one row per
-    (batch, class) with the chosen pool, mode and K and the numbers behind it. `batches` are the batch a request would join (1 = an idle machine); every pool is
-    given that load (pools of one hardware group share it). Pure: `specserve tuning --explain`
-    prints it for a config, so an operator can read the router's choice before sending traffic.
-    `k` is the policy's choice; `k_run` the K the request is admitted at, once the pool's per-step
-    cap table (`policy.k_cap_table`, which the engine also applies per step) has cut it at that
-    batch, as the router does (`cap_at_admission`); `k_cap` is that table's cap."""
+    (batch, class) with the chosen pool and method and the numbers behind it. `batches` are the
+    batch a request would join (1 = an idle machine); every pool is given that load (pools of one
+    hardware group share it). Pure: `specserve tuning --explain` prints it for a config, so an
+    operator can read the router's choice before sending traffic. `k` is the ceiling the engine
+    chooses each step's K under (`per_step_k`); `k_best` the K whose score stood for the pool."""
     if tuning is not None:
         tuning = replace(tuning, rng=None)
-    caps = {v.name: k_cap_table(v.method.value, v.max_k, tuning, priors=v.prior_alpha, draft_cost=v.prior_draft_cost)
-            for v in views}
+    by_name = {v.name: v for v in views}
     rows = []
     for batch in batches:
         others = max(float(batch) - 1.0, 0.0)
@@ -289,12 +239,12 @@ def explain_choices(
                           group_load=others if v.hardware_group is not None else None) for v in views]
         for wclass in classes:
             d = choose_auto(_auto_pools(loaded), router, wclass, tuning, rng=None)
-            run = cap_at_admission(d, caps[d.pool], float(batch)) if d.k else d
-            rows.append({"batch": batch, "workload_class": wclass, "pool": d.pool, "mode": run.mode.value,
-                         "k": d.k, "k_cap": k_cap_for_batch(max(int(batch), 1), caps[d.pool]), "k_run": run.k,
+            mode = SpecMode(d.detail.get("pool_mode", d.mode.value))
+            rows.append({"batch": batch, "workload_class": wclass, "pool": d.pool, "mode": mode.value,
+                         "k": by_name[d.pool].k_bound(mode) if mode != SpecMode.NONE else 0, "k_best": d.k,
                          **{f: d.detail.get(f) for f in (
-                             "load_bucket", "alpha", "draft_rate", "cost_per_k", "cost_per_step", "step_overhead", "expected_tokens_per_step",
-                             "score", "scores")}})
+                             "load_bucket", "alpha", "draft_rate", "cost_per_k", "cost_per_step", "step_overhead",
+                             "expected_tokens_per_step", "score", "scores")}})
     return rows
 
 

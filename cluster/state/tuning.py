@@ -1,7 +1,7 @@
 """Tuning state in Redis: written from every response's SpecStats, read back as a `TuningView`.
 
-Contract: nothing here touches Redis on the request path. `TuningStore.record(...)` and
-`note_decision(...)` append to bounded in-memory buffers; `snapshot(model)` returns the latest
+Contract: nothing here touches Redis on the request path. `TuningStore.record(...)` appends to
+bounded in-memory buffers; `snapshot(model)` returns the latest
 validated in-memory view. One background thread flushes the buffers in batches (a MULTI pipeline
 of HINCRBY / HINCRBYFLOAT, so router replicas add up, with a TTL on every key) and refreshes the
 views from Redis. Redis down, slow or poisoned: requests still get a view (priors when empty);
@@ -10,7 +10,7 @@ writes are kept (aggregated per key, bounded) and resume by themselves when Redi
 Keys: `{prefix}:{model}:{mode}:{class}:{bucket}` (prefix `specserve:v3` from RedisConfig), one hash
 per tuning cell with the count fields of `cluster.policy.CellStats` (`a{i}` / `e{i}` are the
 per-position accepted / exposed steps, `r{L}` the accepted runs of L tokens, `s{K}` / `t{K}` the
-steps and decode seconds of the requests that ran at K), `chosen_k` (the incumbent K) and `updated` (unix s).
+steps and decode seconds of the requests that ran at K) and `updated` (unix s).
 The fields and their validation are `cluster.state.tuning_cells`'. A cell that is the wrong type, too big, has
 unknown fields, non-numeric or out-of-range values, or is stale is ignored with a (rate-limited) warning and
 a counter, and deleted so writers can rebuild it.
@@ -28,8 +28,6 @@ import logging
 import random
 import threading
 import time
-from collections import ChainMap
-from dataclasses import replace
 from typing import Callable, Optional
 
 import redis
@@ -93,13 +91,11 @@ class TuningStore:
         self._lock = threading.Lock()  # guards the buffers (held for microseconds)
         self._io_lock = threading.Lock()  # one flush / refresh at a time
         self._pending: dict[str, dict[str, float]] = {}  # key -> increments not yet in Redis
-        self._pending_chosen: dict[str, int] = {}  # key -> incumbent K not yet in Redis
         self._to_delete: set[str] = set()
         self._models: set[str] = set(models)
         self._open = not models  # no list given: register names as they come, up to MAX_MODELS
         self._views: dict[str, TuningView] = {}
         self._key_cache: dict[str, dict[str, CellKey]] = {}
-        self._overlay: dict[str, dict[CellKey, int]] = {}  # this replica's own incumbents
         self._last_ok_mono = 0.0
         self._last_fail_mono = 0.0
         self._failing: set[str] = set()  # of flush / refresh: those whose last call failed
@@ -156,28 +152,14 @@ class TuningStore:
             self.counters["records"] += 1
         return True
 
-    def note_decision(self, model: str, decision) -> None:
-        """Remember the policy's K as the incumbent of its cell (skips explored decisions)."""
-        d = decision.detail or {}
-        if d.get("explore") or decision.decided_by != "policy" or "load_bucket" not in d or not self._track(model):
-            return
-        cell = (d.get("pool_mode", decision.mode.value), decision.workload_class, d["load_bucket"])
-        overlay = self._overlay.setdefault(model, {})
-        if overlay.get(cell) == decision.k:
-            return
-        overlay[cell] = decision.k
-        with self._lock:
-            self._pending_chosen[cell_key(self.prefix, model, *cell)] = int(decision.k)
-
     def snapshot(self, model: str) -> TuningView:
         """The latest validated view of `model` (empty until the first refresh, and for a model the
         store does not track; never blocks)."""
         view = self._views.get(model)
         if view is None:
-            view = TuningView(model=model, rng=self._rng)
-            if not self._track(model):
-                return view
-        return replace(view, chosen_k=ChainMap(self._overlay.setdefault(model, {}), view.chosen_k))
+            self._track(model)  # an open store registers the name (up to MAX_MODELS)
+            return TuningView(model=model, rng=self._rng)
+        return view
 
     def tracks(self, model: str) -> bool:
         """Whether `model` is one of the store's models (never registers it)."""
@@ -252,8 +234,8 @@ class TuningStore:
             if len(self._pending) > 4 * len(MODES) * len(WORKLOAD_CLASSES) * len(BUCKET_NAMES) * max(len(self._models), 1):
                 self.counters["pending_dropped"] += len(self._pending)
                 self._pending.clear()
-            pending, chosen, delete = dict(self._pending), dict(self._pending_chosen), set(self._to_delete)
-        if not (pending or chosen or delete):
+            pending, delete = dict(self._pending), set(self._to_delete)
+        if not (pending or delete):
             self._failing.discard("flush")  # nothing is waiting to be written (dropped, if it was)
             return True
         now = self._clock()
@@ -262,14 +244,11 @@ class TuningStore:
         for key in delete:
             pipe.delete(key)
             order.append((key, None))
-        for key in set(pending) | set(chosen):
-            for f, v in pending.get(key, {}).items():
+        for key, increments in pending.items():
+            for f, v in increments.items():
                 (pipe.hincrbyfloat if f in FLOAT_FIELDS else pipe.hincrby)(key, f, v if f in FLOAT_FIELDS else int(v))
                 order.append((key, f))
-            mapping = {"updated": repr(now)}
-            if key in chosen:
-                mapping["chosen_k"] = chosen[key]
-            pipe.hset(key, mapping=mapping)
+            pipe.hset(key, mapping={"updated": repr(now)})
             pipe.expire(key, self.ttl_s)
             order += [(key, "updated"), (key, "expire")]
         try:
@@ -284,12 +263,9 @@ class TuningStore:
         with self._lock:
             for key in pending:
                 self._pending.pop(key, None)
-            for key, k in chosen.items():
-                if self._pending_chosen.get(key) == k:
-                    del self._pending_chosen[key]
             self._to_delete = (self._to_delete - delete) | bad
         self.counters["flushes"] += 1
-        self.counters["keys_written"] += len(set(pending) | set(chosen))
+        self.counters["keys_written"] += len(pending)
         self._failing.discard("flush")
         self._last_ok_mono = time.monotonic()
         return True
@@ -341,21 +317,18 @@ class TuningStore:
         now = self._clock()
         max_age_s = self.ttl_s + 3600
         cells: dict[CellKey, CellStats] = {}
-        chosen: dict[CellKey, int] = {}
         for (ck, key), fields in zip(present, pipe.execute(raise_on_error=False)):
             _raise_unless_wrongtype(fields)
             try:
                 if isinstance(fields, Exception):
                     raise MalformedCell(str(fields))
-                cell, k = parse_cell(fields, now, max_age_s)
+                cell = parse_cell(fields, now, max_age_s)
             except MalformedCell as e:
                 self._malformed(key, str(e), "value")
                 continue
             cells[ck] = cell
-            if k is not None:
-                chosen[ck] = k
         self.counters["refreshes"] += 1
-        return TuningView(model=model, cells=cells, chosen_k=chosen, fetched_unix_s=now, rng=self._rng)
+        return TuningView(model=model, cells=cells, fetched_unix_s=now, rng=self._rng)
 
     def refresh_now(self, model: str) -> bool:
         """Replace the cached view of `model` from Redis; keep the old one on failure."""
@@ -367,10 +340,6 @@ class TuningStore:
             return False
         if not self._track(model):
             return True
-        overlay = self._overlay.setdefault(model, {})
-        for ck, k in view.chosen_k.items():  # persisted: Redis is authoritative again
-            if overlay.get(ck) == k:
-                overlay.pop(ck, None)
         self._views[model] = view
         self._failing.discard("refresh")
         self._last_ok_mono = time.monotonic()

@@ -18,7 +18,7 @@ _STEPS_AT_K = tuple(f"s{k}" for k in range(MAX_K + 1))  # steps of the requests 
 _DECODE_AT_K = tuple(f"t{k}" for k in range(MAX_K + 1))  # ... and their decode seconds
 FLOAT_FIELDS = ("decode_s", "k_decode_s") + _DECODE_AT_K  # HINCRBYFLOAT; the rest HINCRBY
 POSITION_FIELDS = _ACC_NAMES + _EXP_NAMES + _RUN_NAMES + _STEPS_AT_K
-META_FIELDS = ("chosen_k", "updated")
+META_FIELDS = ("updated",)
 KNOWN_FIELDS = frozenset(INT_FIELDS + FLOAT_FIELDS + POSITION_FIELDS + META_FIELDS)
 MAX_FIELDS = len(KNOWN_FIELDS)
 MAX_VALUE_BYTES = 32
@@ -104,7 +104,7 @@ def cell_from_requests(requests: Iterable[tuple[SpecStats, float]]) -> CellStats
     for stats, latency_s in requests:
         add_increments(total, increments_from_stats(stats, latency_s))
     fields = {f: repr(float(v)) if f in FLOAT_FIELDS else str(int(v)) for f, v in total.items()}
-    return parse_cell(fields, now_unix_s=0.0, max_age_s=math.inf)[0]
+    return parse_cell(fields, now_unix_s=0.0, max_age_s=math.inf)
 
 
 def _number(name: str, raw, kind) -> float:
@@ -120,8 +120,8 @@ def _number(name: str, raw, kind) -> float:
     return v
 
 
-def parse_cell(fields: Mapping, now_unix_s: float, max_age_s: float) -> tuple[CellStats, Optional[int]]:
-    """Validate one hash (HGETALL result) into (CellStats, chosen_k); raise MalformedCell."""
+def parse_cell(fields: Mapping, now_unix_s: float, max_age_s: float) -> CellStats:
+    """Validate one hash (HGETALL result) into CellStats; raise MalformedCell."""
     if len(fields) > MAX_FIELDS:
         raise MalformedCell(f"{len(fields)} fields")
     vals: dict[str, float] = {}
@@ -150,9 +150,6 @@ def parse_cell(fields: Mapping, now_unix_s: float, max_age_s: float) -> tuple[Ce
     t_at_k = [float(vals.get(n, 0.0)) for n in _DECODE_AT_K]
     if sum(at_k) > steps or sum(t_at_k) > float(vals.get("decode_s", 0.0)) * (1 + 1e-9) + 1e-6:
         raise MalformedCell("steps or decode time at K exceed the cell's")
-    chosen = vals.get("chosen_k")
-    if chosen is not None and not 0 <= chosen <= MAX_K:
-        raise MalformedCell(f"chosen_k={chosen} outside 0..{MAX_K}")
     updated = float(vals.get("updated", 0.0))
     if updated > now_unix_s + 3600:
         raise MalformedCell(f"updated {updated:.0f} is in the future")
@@ -160,7 +157,7 @@ def parse_cell(fields: Mapping, now_unix_s: float, max_age_s: float) -> tuple[Ce
         raise MalformedCell(f"stale: updated {now_unix_s - updated:.0f} s ago")
     n = max((i + 1 for i in range(MAX_K) if exp[i] or acc[i]), default=0)
     width = max((k + 1 for k in range(MAX_K + 1) if at_k[k] or t_at_k[k]), default=0)
-    cell = CellStats(
+    return CellStats(
         requests=g("requests"), steps=steps, drafted=g("drafted"), accepted=g("accepted"),
         rejected_steps=g("rejected_steps"), k_steps=g("k_steps"), kk_steps=g("kk_steps"), tokens=g("tokens"),
         k_decode_s=float(vals.get("k_decode_s", 0.0)),
@@ -168,4 +165,3 @@ def parse_cell(fields: Mapping, now_unix_s: float, max_age_s: float) -> tuple[Ce
         runs=tuple(runs[:max((i + 1 for i, r in enumerate(runs) if r), default=0)]), updated_unix_s=updated,
         steps_at_k=tuple(at_k[:width]), decode_s_at_k=tuple(t_at_k[:width]),
     )
-    return cell, None if chosen is None else int(chosen)

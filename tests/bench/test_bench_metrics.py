@@ -45,7 +45,7 @@ def test_summarize_hand_computed():
     a = mk(ttft=0.5, lat=2.5, tokens=5, start=0.0, spec={"mode": "ngram", "k": 2, "steps": 3, "drafted": 6, "accepted": 2,
                                                          "explored": True, "decision": {"load_bucket": "16+"}})
     b = mk(ttft=1.0, lat=3.0, tokens=3, start=1.0, spec={"mode": "ngram", "k": 2, "steps": 2, "drafted": 4, "accepted": 1,
-                                                         "decision": {"load_bucket": "8-15", "hysteresis": True}})
+                                                         "decision": {"load_bucket": "8-15"}})
     c = mk(ttft=0.2, lat=0.7, tokens=2, start=3.5, spec={"mode": "none", "k": 0, "steps": 2})
     bad = mk(ok=False, start=2.0, lat=0.1, tokens=0)
     r = summarize([a, b, c, bad], Slo(tpot_s=0.6))
@@ -61,7 +61,7 @@ def test_summarize_hand_computed():
     # steps 7, accepted 3, drafted 10
     assert r["acceptance_length"] == pytest.approx(1 + 3 / 7) and r["acceptance_rate"] == pytest.approx(0.3)
     assert r["k_distribution"] == {"ngram:2": 2, "none:0": 1} and r["explored"] == 1
-    assert r["held"] == 1 and r["load_buckets"] == {"16+": 1, "8-15": 1}  # c reported no decision
+    assert r["load_buckets"] == {"16+": 1, "8-15": 1}  # c reported no decision
 
 
 def test_repeat_spread_and_speedup():
@@ -157,5 +157,5 @@ def test_the_k_column_counts_exploration_draws():
 
     assert _kdist({"ngram:5": 3, "none:0": 1}, 1) == "ngram:5×3 none:0×1 (explored 1)"
     assert _kdist({"ngram:5": 3}) == "ngram:5×3"
-    assert _kdist({"ngram:1": 3}, 1, 2, {"16+": 2, "8-15": 1}) == "ngram:1×3 (explored 1; held 2; at 16+×2 8-15×1)"
+    assert _kdist({"ngram:1": 3}, 1, {"16+": 2, "8-15": 1}) == "ngram:1×3 (explored 1; at 16+×2 8-15×1)"
     assert _kdist({"ngram:5": 3}, buckets={"1": 3}) == "ngram:5×3"  # one stream: no note

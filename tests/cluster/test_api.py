@@ -17,11 +17,10 @@ MSG = [{"role": "user", "content": "hi"}]
 def test_chat_request_with_extension():
     r, fwd = routing_view({"model": "m", "messages": MSG, "max_tokens": 5, "stop": "x", "stream": True, "n": 2,
                            "logprobs": True, "top_logprobs": 2, "temperature": 0,
-                           "specserve": {"workload_class": "code", "speculative": {"mode": "ngram", "k": 3, "k_grow": 2},
+                           "specserve": {"workload_class": "code", "speculative": {"mode": "ngram", "k": 3},
                                          "request_id": "abc-1"}}, chat=True)
     assert r.model == "m" and r.stream and r.temperature == 0.0 and r.messages[0].content == "hi"
     assert r.workload_class == "code" and r.speculative.mode == "ngram" and r.speculative.k == 3
-    assert r.speculative.k_grow == 2
     assert r.request_id == "abc-1"
     # vLLM gets the body as it came, without specserve's extension: every OpenAI field is vLLM's to judge
     assert fwd == {"model": "m", "messages": MSG, "max_tokens": 5, "stop": "x", "stream": True, "n": 2,
@@ -83,17 +82,20 @@ def test_request_ids_are_generated_and_unguessable():
     assert ra != rb and len(ra) >= 20
 
 
-def test_grpc_speculative_k_grow_maps_and_is_validated():
+def test_k_grow_is_refused_naming_the_field_on_http_and_grpc():
+    """A K is the caller's, fixed, or the engine's per step: a request that asks for K growth is
+    refused by name, never served as if it had not asked."""
     from cluster.api.wire import from_proto
     from specserve.v1 import specserve_pb2 as pb
 
-    msg = pb.GenerateRequest(prompt="x", speculative=pb.SpeculativeOverride(mode="ngram", k=2, k_grow=2))
-    assert from_proto(msg).speculative.k_grow == 2
-    msg = pb.GenerateRequest(prompt="x", speculative=pb.SpeculativeOverride(mode="ngram", k=2))
-    assert from_proto(msg).speculative.k_grow is None  # unset: the pool's rule
     with pytest.raises(ApiError) as e:
-        from_proto(pb.GenerateRequest(prompt="x", speculative=pb.SpeculativeOverride(mode="ngram", k=2, k_grow=40)))
+        from_proto(pb.GenerateRequest(prompt="x", speculative=pb.SpeculativeOverride(mode="ngram", k=2, k_grow=2)))
     assert e.value.field == "speculative.k_grow"
+    with pytest.raises(ApiError) as e:
+        routing_view({"model": "m", "messages": MSG, "specserve": {"speculative": {"mode": "ngram", "k": 2, "k_grow": 0}}},
+                     chat=True)
+    assert "k_grow" in (e.value.field or "") + str(e.value)
+    assert from_proto(pb.GenerateRequest(prompt="x", speculative=pb.SpeculativeOverride(mode="ngram", k=2))).speculative.k == 2
 
 
 # -- size limits and content types (api.limits) --------------------------------------------------------

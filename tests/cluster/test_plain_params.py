@@ -27,7 +27,7 @@ def installed(monkeypatch):
 def test_vllm_refuses_them_under_speculation_unless_pinned_at_k0(installed, params):
     spec = object()  # any speculative config
     SamplingParams(**params, extra_args=dict(K0))._validate_spec_decode(spec)
-    for extra in (None, {"specserve_k": 3}, {**K0, "specserve_k_step": 0.5}, {**K0, "specserve_k_grow": [1, 4]}):
+    for extra in (None, {"specserve_k": 3}, {**K0, "specserve_k_step": 0.5}):
         with pytest.raises(VLLMValidationError, match="not yet supported with speculative decoding"):
             SamplingParams(**params, extra_args=extra)._validate_spec_decode(spec)
 

@@ -1,4 +1,4 @@
-"""The policy's pure functions: expected tokens, cost model, posterior, hysteresis, bandit, cap table.
+"""The policy's pure functions: expected tokens, cost model, posterior, bandit.
 
 Three layers, as in vLLM's sampler tests: hand-computed cases, seeded determinism, and statistical
 checks (convergence from simulated traffic drawn with a known acceptance rate)."""
@@ -17,16 +17,14 @@ from hypothesis import strategies as st
 from cluster.config import RouterConfig
 from cluster.policy import (
     BUCKET_BATCH, BUCKET_NAMES, LOAD_BUCKETS, CellStats, PolicyParams, TuningView, alpha_posterior, best_k, choose_auto,
-    class_weights, cost_per_k, draft_rate, expected_tokens, expected_tokens_per_step, exploration_rate, hysteresis_k,
-    explorable_ks, hysteresis_margin, score_pool,
-    k_cap_table, load_bucket, measured_overheads, prior_alpha, prior_cost_per_k, prior_step_cost, run_tokens_per_step,
+    cost_per_k, draft_rate, expected_tokens, expected_tokens_per_step, exploration_rate, explorable_ks, score_pool,
+    load_bucket, measured_overheads, prior_alpha, prior_cost_per_k, prior_step_cost, run_tokens_per_step,
     score, step_cost, step_overheads,
     step_time_rel, tuning_rows,
 )
 from cluster.routing.route import PoolView
 from cluster.speculation import WORKLOAD_CLASSES, SpecMode, SpecStats
 from cluster.state.tuning_cells import cell_from_requests, parse_cell
-from cluster.speculation import k_cap_for_batch
 from tests.paths import LOCAL_CPU
 
 ROUTER = RouterConfig()
@@ -217,88 +215,21 @@ def test_step_time_rel_prior_and_measured():
     assert step_time_rel(TuningView("m", cells=cells), "16+") == pytest.approx(5.0, rel=0.01)
 
 
-# -- hysteresis and exploration ---------------------------------------------------------------------
+# -- best K and exploration ---------------------------------------------------------------------------
 
 def test_best_k_prefers_the_smaller_k_within_tie_tolerance():
     assert best_k({0: 1.0, 1: 1.005, 2: 1.2, 3: 1.2}) == 2
     assert best_k({0: 1.0, 1: 1.005}) == 0
 
 
-@pytest.mark.parametrize("scores,incumbent,expected", [
-    ({0: 1.0, 1: 1.04, 2: 1.0}, 0, 0),  # 4% better: keep the incumbent
-    ({0: 1.0, 1: 1.06, 2: 1.0}, 0, 1),  # 6% better: switch
-    ({0: 1.0, 1: 1.06}, None, 1),  # no incumbent
-    ({0: 1.0, 1: 1.06}, 5, 1),  # incumbent beyond this pool's K: ignored
-    ({0: 1.2, 1: 1.0, 2: 1.19}, 2, 2),
-])
-def test_hysteresis(scores, incumbent, expected):
-    assert hysteresis_k(scores, incumbent) == expected
-
-
-def test_hysteresis_stops_flapping_between_close_scores():
-    # alpha wobbling around the K=2/K=3 boundary: the best K flips every call, the chosen one does not.
-    grid = [0.3 + i / 1000 for i in range(600)]
-    edge = next(a for a, b in zip(grid, grid[1:])
-                if best_k({kk: score(a, kk, 0.12) for kk in range(7)}) != best_k({kk: score(b, kk, 0.12) for kk in range(7)}))
-    ks, best = [], []
-    k = None
-    for i in range(40):
-        alpha = edge + (0.005 if i % 2 else -0.005)
-        scores = {kk: score(alpha, kk, 0.12) for kk in range(7)}
-        best.append(best_k(scores))
-        k = hysteresis_k(scores, k)
-        ks.append(k)
-    assert len(set(best)) > 1 and len(set(ks[1:])) == 1
-
-
-def test_hysteresis_margin_shrinks_with_evidence_but_stays_above_the_tie():
-    margins = [hysteresis_margin(n) for n in (0, 10, 100, 1000, 10**4, 10**9)]
-    assert margins[0] == pytest.approx(P.margin)
-    assert all(a > b for a, b in zip(margins, margins[1:]))
-    assert margins[-1] == pytest.approx(P.margin_min, abs=1e-3) and P.margin_min > P.tie_tol
-    scores = {3: 1.0, 4: 1.03}  # K = 4 scores 3% better than the incumbent 3
-    assert hysteresis_k(scores, 3) == 3  # no evidence: kept
-    assert hysteresis_k(scores, 3, trials=5000) == 4  # the scores are trusted: it yields
-    assert hysteresis_k({3: 1.0, 4: 1.012}, 3, trials=10**9) == 3  # inside the floor: never flaps
-
-
 def _recorded_view(path: Path) -> TuningView:
     doc = json.loads(path.read_text())
-    cells, chosen = {}, {}
+    cells = {}
     for key, fields in doc["cells"].items():
         mode, wclass, bucket = key.split(":")
-        cell, k = parse_cell(fields, now_unix_s=2e9, max_age_s=1e9)
-        cells[(mode, wclass, bucket)] = cell
-        if k is not None:
-            chosen[(mode, wclass, bucket)] = int(k)
-    return TuningView("smollm2-135m", cells=cells, chosen_k=chosen)
-
-
-def test_a_recorded_state_with_a_thin_incumbent_does_not_lock_math_at_k3():
-    # A recorded tuning state (Redis, bucket 1, after a one-stream run and a load sweep): math's
-    # incumbent K = 3 was chosen while its data was thin; with its 4,098 steps K = 4 scores 3.4%
-    # better, under a fixed 5% margin.
-    view = _recorded_view(Path(__file__).parent / "data" / "tuning-thin-incumbent-bucket1.json")
-    pool = ngram(max_k=6)
-    cand = score_pool(pool, "math", view)
-    best = best_k(cand.scores)
-    assert view.chosen_k[("ngram", "math", "1")] == 3 != best
-    assert cand.scores[best] > cand.scores[3] * 1.02
-    assert cand.k == best
-    assert score_pool(pool, "math", view, PolicyParams(margin_min=P.margin)).k == 3  # the old fixed margin
-
-
-def test_a_decision_says_when_hysteresis_kept_its_k():
-    # Reported per response (`specserve.decision`): whether the incumbent K was kept over a higher
-    # score, and every K's score, so a run can tell hysteresis from the scores themselves.
-    view = _recorded_view(Path(__file__).parent / "data" / "tuning-thin-incumbent-bucket1.json")
-    held = choose_auto([ngram(max_k=6)], ROUTER, "math", tuning=view, params=PolicyParams(margin_min=P.margin))
-    assert held.k == 3 and held.detail["hysteresis"] is True
-    ks = held.detail["k_scores"]
-    assert set(ks) == {str(k) for k in range(7)} and max(ks.values()) > ks["3"] == held.detail["score"]
-    free = choose_auto([ngram(max_k=6)], ROUTER, "math", tuning=view)
-    assert free.k != 3 and free.detail["hysteresis"] is False
-    assert free.detail["k_scores"][str(free.k)] == max(free.detail["k_scores"].values())
+        cells[(mode, wclass, bucket)] = parse_cell({f: v for f, v in fields.items() if f != "chosen_k"},
+                                                   now_unix_s=2e9, max_age_s=1e9)
+    return TuningView("smollm2-135m", cells=cells)
 
 
 def test_plain_steps_measured_under_other_load_do_not_erase_the_cost_of_k():
@@ -380,27 +311,16 @@ def test_converges_from_simulated_traffic():
     loads=st.lists(st.floats(0, 500), min_size=1, max_size=3),
     max_ks=st.lists(st.integers(0, 16), min_size=3, max_size=3),
     cls=st.sampled_from(WORKLOAD_CLASSES + ("unknown-class",)),
-    poisoned_k=st.integers(0, 10**6),
     seed=st.integers(0, 2**32),
 )
-def test_k_is_always_within_the_pools_max(loads, max_ks, cls, poisoned_k, seed):
+def test_k_is_always_within_the_pools_max(loads, max_ks, cls, seed):
     pools = [ngram(running=l, max_k=max(mk, 1), name=f"p{i}") for i, (l, mk) in enumerate(zip(loads, max_ks))]
     pools.append(plain())
-    chosen = {(m, cls, b): poisoned_k for m in ("ngram", "none") for b in BUCKET_NAMES}
-    view = TuningView("m", chosen_k=chosen, rng=random.Random(seed))
+    view = TuningView("m", rng=random.Random(seed))
     d = choose_auto(pools, ROUTER, cls, view)
     pool = next(p for p in pools if p.name == d.pool)
     assert 0 <= d.k <= pool.max_k and (d.mode == SpecMode.NONE) == (d.k == 0)
     assert d.detail["load_bucket"] == load_bucket(pool.batch_per_replica + 1)
-
-
-def test_incumbent_is_kept_within_the_margin():
-    fresh = choose_auto([ngram()], ROUTER, "code")
-    neighbour = fresh.k - 1
-    view = TuningView("m", chosen_k={("ngram", "code", "1"): neighbour})
-    assert choose_auto([ngram()], ROUTER, "code", view).k == neighbour
-    far = TuningView("m", chosen_k={("ngram", "code", "1"): 0})
-    assert choose_auto([ngram()], ROUTER, "code", far).k == fresh.k
 
 
 def test_no_rng_means_no_exploration_and_same_answer():
@@ -506,72 +426,21 @@ def _check_table(table, max_k):
     assert all(0 <= c <= max_k for c in caps) and all(a > b for a, b in zip(caps, caps[1:]))
 
 
-def test_cap_table_reads_the_cold_start_draft_rate_of_a_lookup_pool():
-    """A lookup proposer that finds a draft in few steps pays the drafting overhead for little: the
-    cap table (step_k: false pools) must read the same draft-rate prior as the routing does."""
-    every_step = k_cap_table("ngram", 6, None, priors=(("*", 0.7),))
-    rarely = k_cap_table("ngram", 6, None, priors=(("*", 0.7),), rate_priors=(("*", 0.3),))
-    _check_table(rarely, 6)
-    assert k_cap_for_batch(1, rarely) < k_cap_for_batch(1, every_step)
-    assert k_cap_for_batch(16, rarely) == 0 < k_cap_for_batch(16, every_step)
-    assert k_cap_table("ngram", 6, None, priors=(("*", 0.7),), rate_priors=(("*", 0.05),)) == [(1, 0)]
-
-
-def test_cap_table_cold_start_shrinks_with_load():
-    table = k_cap_table("ngram", 6, None)
-    _check_table(table, 6)
-    assert k_cap_for_batch(1, table) >= 3 and k_cap_for_batch(32, table) <= 2
-    assert k_cap_for_batch(1, table) > k_cap_for_batch(32, table)
-
-
-def test_cap_table_for_plain_pools():
-    assert k_cap_table("none", 0, None) == [(1, 0)]
-    assert k_cap_table("ngram", 0, None) == [(1, 0)]
-
-
-def test_cap_table_is_zero_when_nothing_is_accepted():
-    rng = random.Random(4)
-    cells = {("ngram", c, b): cell_from([simulate(0.0, 3, 5000, rng)]) for c in WORKLOAD_CLASSES for b in BUCKET_NAMES}
-    assert k_cap_table("ngram", 6, TuningView("m", cells=cells)) == [(1, 0)]
-
-
-def test_cap_table_follows_measured_costs_under_load():
-    # measured: cheap speculation at batch 1, very expensive at 8+ (c = 1 per draft token)
-    rng = random.Random(5)
-    cells = {}
-    for b in BUCKET_NAMES:
-        expensive = b in ("8-15", "16+")
-        for c in WORKLOAD_CLASSES:
-            cells[("ngram", c, b)] = cell_from([simulate(0.7, 4, 100, rng) for _ in range(5)],
-                                               step_s=0.05 if expensive else 0.0105)
-            cells[("none", c, b)] = cell_from([SpecStats(mode="none", k=0, steps=500)], step_s=0.01)
-    table = k_cap_table("ngram", 6, TuningView("m", cells=cells))
-    _check_table(table, 6)
-    assert k_cap_for_batch(1, table) >= 4 and k_cap_for_batch(8, table) == 0
-
-
-def test_cap_table_weights_classes_by_traffic():
-    w = class_weights(TuningView("m", cells={("ngram", "code", "1"): CellStats(steps=300),
-                                             ("none", "chat", "4-7"): CellStats(steps=100)}), "ngram")
-    assert w == {"code": 0.75, "chat": 0.25}
-    assert sum(class_weights(None, "ngram").values()) == pytest.approx(1.0)
-
-
 # -- observability ------------------------------------------------------------------------------------
 
 def test_tuning_rows_have_the_tuning_entry_fields():
     rng = random.Random(9)
     cells = {("ngram", "code", "4-7"): cell_from([simulate(0.5, 3, 100, rng)]), ("none", "chat", "1"): cell_from(
         [SpecStats(mode="none", k=0, steps=100)])}
-    rows = tuning_rows(TuningView("m", cells=cells, chosen_k={("ngram", "code", "4-7"): 3}))
+    rows = tuning_rows(TuningView("m", cells=cells))
     assert [(r["mode"], r["workload_class"], r["load_bucket"]) for r in rows] == [("ngram", "code", "4-7"), ("none", "chat", "1")]
     r = rows[0]
-    assert r["chosen_k"] == 3 and r["chosen_k_set"] and r["samples"] == 1 and len(r["acceptance_per_position"]) == 3
+    assert r["mean_k"] == 3 and r["samples"] == 1 and len(r["acceptance_per_position"]) == 3
     assert r["acceptance_length"] == pytest.approx(cells[("ngram", "code", "4-7")].acceptance_length, abs=1e-4)
     assert r["step_ms_at_k"] == {3: 10.0} and rows[1]["step_ms_at_k"] == {0: 10.0}  # cell_from: 10 ms per step
     for row in rows:
-        for key in ("model", "mode", "workload_class", "load_bucket", "chosen_k", "acceptance_length",
-                    "acceptance_per_position", "tokens_per_s", "samples"):
+        for key in ("model", "mode", "workload_class", "load_bucket", "acceptance_length",
+                    "acceptance_per_position", "tokens_per_s", "samples", "mean_k"):
             assert row[key] is not None
 
 
@@ -618,7 +487,6 @@ def test_measured_priors_replace_the_builtin_table():
     cold = choose_auto([ngram()], ROUTER, "translation")
     measured = choose_auto([ngram(prior=(("translation", 0.65),))], ROUTER, "translation")
     assert cold.k <= 1 < 5 <= measured.k
-    assert k_cap_table("draft_model", 4, None, priors=(("*", 0.04),)) == [(1, 0)]
 
 
 def test_pool_config_validates_priors():
@@ -735,14 +603,6 @@ def test_measured_overhead_scales_both_terms_and_keeps_the_priors_shape():
     assert step_cost(_eagle_view(-0.5, 1, 10**7), "eagle", "1", draft_cost=prior)[0] >= 0.0
     # n-gram (no fixed cost): the same c = overhead / mean K as before
     assert cost_per_k(_cost_view(0.013, 0.010, steps=10**7), "ngram", "1") == pytest.approx(0.1, abs=0.001)
-
-
-def test_cap_table_counts_the_fixed_cost():
-    # α 0.19 with the measured fixed cost: never worth drafting, at any load
-    assert k_cap_table("eagle", 3, None, priors=(("*", 0.19),), draft_cost=(0.32, 0.02)) == [(1, 0)]
-    # α 0.8: worth it idle, and the fixed cost does not change the cap's shape under load
-    table = k_cap_table("eagle", 3, None, priors=(("*", 0.8),), draft_cost=(0.32, 0.02))
-    assert table[0] == (1, 3) and [c for _, c in table] == sorted((c for _, c in table), reverse=True)
 
 
 def test_pool_config_prior_draft_cost():
@@ -922,12 +782,12 @@ def test_thompson_draws_over_runs_stay_in_range_and_mostly_agree_with_the_mean()
     assert all(0 <= k <= 6 for k in ks) and ks.count(6) > 0.9 * len(ks)
 
 
-def test_cap_table_uses_the_runs():
+def test_the_score_of_a_pool_uses_the_runs():
     text = _copy_text(random.Random(3), 2000)
     view = _runs_view(_decode(text, 6)[0], "summarization", 0.05, 6)
     geometric = TuningView("m", cells={key: replace(c, runs=()) for key, c in view.cells.items()})
-    assert k_cap_table("ngram", 6, view)[0] == (1, 6)
-    assert k_cap_table("ngram", 6, geometric)[0] == (1, 5)
+    assert score_pool(ngram(max_k=6), "summarization", view).k == 6
+    assert score_pool(ngram(max_k=6), "summarization", geometric).k == 5
 
 
 # -- step cost: the fixed and the per-token part apart --------------------------------------------
@@ -1069,27 +929,6 @@ def test_step_time_per_k_compares_each_class_with_its_own_plain_steps():
     # Drafting steps measured faster than plain ones are noise: 0, never a discount.
     cells[("ngram", "chat", "1")] = at(3, 5000, 0.09)
     assert measured_overheads(TuningView("m", cells), "ngram", "1")[3][0] == 0.0
-
-
-def test_the_cap_table_uses_the_step_time_per_k():
-    _, view = _per_k_view(requests=40)
-    assert k_cap_table("ngram", 6, _without_per_k(view))[0] == (1, 6)
-    assert k_cap_table("ngram", 6, view)[0] == (1, 4)
-
-
-def test_the_cap_at_batch_1_never_undercuts_a_class_choice():
-    """A class that chose K = 6 by just over the 1% tie shared the cap table with a larger
-    class at K = 4; the traffic-weighted cap 5 tied with 6, the smaller won, and every K = 6 choice
-    ran at 5 at batch 1. At the bucket the choices were made at, the cap is the largest of them."""
-    _, chat = _per_k_view(requests=40)
-    text = _copy_text(random.Random(3), 2000, runs=((0, .6), (1, .1), (2, .1), (5, .1), (12, .1)))
-    summ = _runs_view(_decode(text, 6)[0], "summarization", 0.05, 6)
-    view = TuningView("m", cells={**chat.cells, **summ.cells})
-    chosen = {c: choose_auto([ngram()], ROUTER, c, view).k for c in ("chat", "summarization")}
-    assert chosen == {"chat": 4, "summarization": 6}
-    table = k_cap_table("ngram", 6, view)
-    _check_table(table, 6)
-    assert table[0] == (1, 6) and k_cap_for_batch(2, table) < 6  # the cap still bites under load
 
 
 def test_a_lookup_method_with_only_a_prior_does_not_win_by_drafting_every_step():

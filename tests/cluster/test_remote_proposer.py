@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from cluster.engine.remote_proposer import (  # noqa: E402
     CircuitBreaker, RemoteDraftProposer, RemoteDraftSession, SeqWork, TcpDraftClient,
 )
-from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_CAP  # noqa: E402
+from cluster.speculation import EXTRA_ARGS_K  # noqa: E402
 from deployments.drafter import DraftModel, Drafter, DraftServer  # noqa: E402
 from cluster.engine.draft_wire import SECRET_ENV  # noqa: E402
 from tests.drafter_peer import SECRET  # noqa: E402
@@ -185,13 +185,17 @@ def test_proposer_takes_each_requests_k_from_its_sampling_params(server):
     num_tokens = np.array([3, 3, 3, 3])
     token_ids = np.tile(np.arange(64), (4, 1))
     assert p.propose(sampled, num_tokens, token_ids) == [[], [], [], []]  # no runner attached yet
-    p.attach(_runner({
-        "k2": {EXTRA_ARGS_K: 2}, "k0": {EXTRA_ARGS_K: 0},
-        "capped": {EXTRA_ARGS_K: 4, EXTRA_ARGS_K_CAP: [[1, 4], [3, 1]]},  # batch of 4 -> K 1
-        "prefill": {EXTRA_ARGS_K: 3},
-    }))
+    runner = _runner({"k2": {EXTRA_ARGS_K: 2}, "k0": {EXTRA_ARGS_K: 0}, "k4": {EXTRA_ARGS_K: 4}, "prefill": {EXTRA_ARGS_K: 3}})
+    runner.propose_draft_token_ids = lambda scheduler_output: None
+    p.attach(runner)
     d = p.propose(sampled, num_tokens, token_ids)
-    assert [len(x) for x in d] == [2, 0, 1, 0]
+    assert [len(x) for x in d] == [2, 0, 4, 0]
+    # the scheduler's bound on the step (`num_spec_tokens_to_schedule`, seen as the runner proposes)
+    runner.propose_draft_token_ids(SimpleNamespace(num_spec_tokens_to_schedule=1))
+    assert [len(x) for x in p.propose(sampled, num_tokens + 1, token_ids)] == [1, 0, 1, 0]
+    runner.propose_draft_token_ids(SimpleNamespace(num_spec_tokens_to_schedule=0))  # a plain step: no call
+    calls = p.session.calls
+    assert p.propose(sampled, num_tokens + 2, token_ids) == [[], [], [], []] and p.session.calls == calls
 
 
 def test_proposer_never_drafts_past_max_model_len(server):

@@ -102,27 +102,25 @@ def test_explain_choices_rows_follow_load_and_never_explore():
     assert by[(1, "qa")]["k"] == 0 and by[(1, "qa")]["mode"] == "none"
     # both pools share the hardware: the batch is the group's, so batch 32 lands in the 16+ bucket
     assert by[(32, "translation")]["load_bucket"] == "16+" and by[(1, "translation")]["load_bucket"] == "1"
-    assert by[(32, "translation")]["k"] < by[(1, "translation")]["k"]
+    assert by[(32, "translation")]["k_best"] < by[(1, "translation")]["k_best"]
+    assert by[(32, "translation")]["k"] == by[(1, "translation")]["k"] == 6  # the engine's ceiling at any load
     # same as the policy itself on the same loaded views with exploration off
     again = explain_choices([ngram, plain], ROUTER, TuningView(model="m"), ("translation", "qa"), (1, 32))
     assert [(r["pool"], r["k"], r["score"]) for r in again] == [(r["pool"], r["k"], r["score"]) for r in rows]
 
 
-def test_explain_choices_apply_the_per_step_cap_as_admission_does():
-    # The policy may choose K = 3 for RAG at batch 32 where the pool's cap table says 0, and the
-    # request runs plain: explain shows the policy's K and `k_run`, the K that runs.
+def test_explain_choices_show_the_engines_ceiling_beside_the_k_the_pool_was_scored_at():
+    # One drafting pool: every class is sent to its method with the pool's max_k as the ceiling of
+    # the engine's per-step K, whatever the policy's best K for the class at that load.
     from cluster.routing.route import explain_choices
 
     ngram = PoolView(name="ngram", model="m", method=SpecMode.NGRAM, max_k=6,
                      prior_alpha=(("*", 0.05), ("structured", 0.95)))
     rows = explain_choices([ngram], ROUTER, None, ("structured", "qa"), (1, 16, 32))
     by = {(r["batch"], r["workload_class"]): r for r in rows}
-    assert (by[(1, "structured")]["k"], by[(1, "structured")]["k_run"]) == (6, 6)
-    cut = by[(32, "structured")]
-    assert cut["k"] > cut["k_cap"] == cut["k_run"] > 0 and cut["mode"] == "ngram"
+    assert by[(1, "structured")]["k_best"] == 6 and by[(1, "qa")]["k_best"] < 6
     for r in rows:
-        assert r["k_run"] == (min(r["k"], r["k_cap"]) if r["k"] else 0)
-        assert (r["mode"] == "none") == (r["k_run"] == 0)
+        assert (r["pool"], r["mode"], r["k"]) == ("ngram", "ngram", 6) and 0 <= r["k_best"] <= 6
 
 
 def test_explain_choices_cold_start_without_a_view():
@@ -173,45 +171,13 @@ def _pool(**kw):
     return PoolConfig(**{"model": "m", "method": "ngram", "max_k": 6, **kw})
 
 
-@pytest.mark.parametrize(
-    "pool_kw, k, by, k_grow, want",
-    [({"k_grow_step": 2, "k_grow_max": 5}, 3, "policy", None, (2, 5)),
-     ({"k_grow_step": 2}, 3, "policy", None, (2, 6)),  # top: max_k when k_grow_max is unset
-     ({"k_grow_step": 2}, 3, "request", None, None),  # the caller named K: fixed
-     ({"k_grow_step": 2}, 3, "default", None, None),
-     ({}, 3, "policy", None, None),  # the pool does not grow
-     ({}, 3, "request", 1, (1, 6)),  # the caller's k_grow wins either way
-     ({"k_grow_step": 2}, 3, "policy", 0, None),
-     ({"k_grow_step": 2, "k_grow_max": 5}, 5, "policy", None, None),  # already at the top
-     ({"k_grow_step": 2}, 0, "policy", 2, None),  # plain decoding
-     ({"k_grow_step": 2, "k_grow_max": 5, "max_k": 4}, 2, "policy", None, (2, 4)),  # max_k lowered: it bounds
-     ({"k_grow_step": 2, "k_grow_max": 5, "max_k": 2}, 2, "policy", None, None)],  # ... down to no growth
-)
-def test_growth_rule(pool_kw, k, by, k_grow, want):
-    from cluster.routing.route import Decision, growth_rule
-
-    d = Decision("ngram", SpecMode.NGRAM if k else SpecMode.NONE, k, by)
-    assert growth_rule(_pool(**pool_kw), d, k_grow) == want
-
-
-def test_growth_rule_refuses_a_remote_drafter_and_names_the_field():
-    from cluster.config import PoolConfig
-    from cluster.routing.route import Decision, growth_rule
-
-    pool = PoolConfig(model="m", method="remote_draft", max_k=4, remote_drafter="d")
-    d = Decision("remote", SpecMode.REMOTE_DRAFT, 2, "request")
-    assert growth_rule(pool, d, None) is None and growth_rule(pool, d, 0) is None
-    with pytest.raises(ApiError) as e:
-        growth_rule(pool, d, 2)
-    assert e.value.code == ErrorCode.INVALID_ARGUMENT and e.value.field == "speculative.k_grow"
-
-
 @pytest.mark.parametrize("kw, message", [
-    ({"method": "none", "max_k": 0, "k_grow_step": 2}, "cannot grow K"),
-    ({"method": "remote_draft", "max_k": 4, "remote_drafter": "d", "k_grow_step": 1}, "cannot grow K"),
-    ({"method": "ngram", "max_k": 4, "k_grow_step": 17}, "k_grow_step"),
+    ({"method": "ngram", "max_k": 4, "k_grow_step": 2}, "k_grow_step"),
+    ({"method": "ngram", "max_k": 4, "step_k": False}, "step_k"),
 ])
-def test_pool_growth_config_is_validated(kw, message):
+def test_a_config_that_sets_k_by_another_rule_is_refused_naming_the_field(kw, message):
+    """The engine chooses K per step for the policy's requests, a caller's K is fixed: a pool
+    config that asks for K growth or for the policy's K at admission names a field nothing reads."""
     from pydantic import ValidationError
 
     from cluster.config import PoolConfig

@@ -68,10 +68,10 @@ def test_increments_carry_the_accepted_runs_and_drop_impossible_ones():
 
 
 def test_parse_cell_reads_the_step_time_per_k_and_rejects_more_than_the_cell_has():
-    cell, _ = parse_cell(_fields(s3="12", t3="1.5", s5="8", t5="1.0"), now_unix_s=1001.0, max_age_s=100)
+    cell = parse_cell(_fields(s3="12", t3="1.5", s5="8", t5="1.0"), now_unix_s=1001.0, max_age_s=100)
     assert cell.steps_at_k == (0, 0, 0, 12, 0, 8) and cell.decode_s_at_k == (0.0, 0.0, 0.0, 1.5, 0.0, 1.0)
     assert cell.step_s_at(3) == pytest.approx(0.125) and cell.step_s_at(4) is None and cell.step_s_at(9) is None
-    assert parse_cell(_fields(), now_unix_s=1001.0, max_age_s=100)[0].steps_at_k == ()  # a cell without them
+    assert parse_cell(_fields(), now_unix_s=1001.0, max_age_s=100).steps_at_k == ()  # a cell without them
     with pytest.raises(MalformedCell, match="at K"):
         parse_cell(_fields(s3="15", s4="6"), now_unix_s=1001.0, max_age_s=100)  # 21 steps at K in a cell of 20
     with pytest.raises(MalformedCell, match="at K"):
@@ -90,9 +90,9 @@ def test_step_time_per_k_adds_up_over_requests_as_redis_sums_it():
 
 
 def test_parse_cell_reads_runs_and_rejects_more_runs_than_steps():
-    cell, _ = parse_cell(_fields(r0="5", r3="2", r32="1"), now_unix_s=1001.0, max_age_s=100)
+    cell = parse_cell(_fields(r0="5", r3="2", r32="1"), now_unix_s=1001.0, max_age_s=100)
     assert cell.runs == (5, 0, 0, 2) + (0,) * 28 + (1,) and cell.draftless_steps == 0
-    assert parse_cell(_fields(), now_unix_s=1001.0, max_age_s=100)[0].runs == ()
+    assert parse_cell(_fields(), now_unix_s=1001.0, max_age_s=100).runs == ()
     with pytest.raises(MalformedCell, match="runs"):
         parse_cell(_fields(r1="15", r2="6"), now_unix_s=1001.0, max_age_s=100)
     with pytest.raises(MalformedCell, match="unknown field"):
@@ -126,23 +126,23 @@ def test_increments_reject_bad_latency(latency):
 
 def _fields(**over):
     f = {"requests": "2", "steps": "20", "drafted": "60", "accepted": "24", "rejected_steps": "16",
-         "k_steps": "60", "tokens": "46", "decode_s": "2.5", "a0": "12", "e0": "20", "chosen_k": "3",
+         "k_steps": "60", "tokens": "46", "decode_s": "2.5", "a0": "12", "e0": "20",
          "updated": "1000.5"}
     f.update(over)
     return {k.encode(): str(v).encode() for k, v in f.items() if v is not None}
 
 
 def test_parse_cell_valid():
-    cell, k = parse_cell(_fields(), now_unix_s=1001.0, max_age_s=100)
-    assert (cell.steps, cell.accepted, cell.rejected_steps, cell.decode_s, k) == (20, 24, 16, 2.5, 3)
+    cell = parse_cell(_fields(), now_unix_s=1001.0, max_age_s=100)
+    assert (cell.steps, cell.accepted, cell.rejected_steps, cell.decode_s) == (20, 24, 16, 2.5)
     assert cell.accepted_at == (12,) and cell.exposed_at == (20,) and cell.alpha == pytest.approx(0.6)
 
 
 @pytest.mark.parametrize("over,reason", [
     (dict(steps="abc"), "not an integer"), (dict(steps="1.5"), "not an integer"), (dict(decode_s="nan"), "finite"),
     (dict(decode_s="inf"), "finite"), (dict(steps="-3"), "range"), (dict(accepted="61"), "inconsistent"),
-    (dict(rejected_steps="21"), "inconsistent"), (dict(k_steps="1000"), "inconsistent"), (dict(chosen_k="99"), "chosen_k"),
-    (dict(chosen_k="-1"), "range"), (dict(a0="21"), "per-position"), (dict(e0="21"), "per-position"),
+    (dict(rejected_steps="21"), "inconsistent"), (dict(k_steps="1000"), "inconsistent"),
+    (dict(chosen_k="3"), "unknown field"), (dict(a0="21"), "per-position"), (dict(e0="21"), "per-position"),
     (dict(kk_steps=str(16 * 16 * 20 + 1)), "inconsistent"), (dict(k_decode_s="40.1"), "inconsistent"),
     (dict(steps="9" * 40), "bytes"), (dict(tokens=str(10**14)), "range"), (dict(bogus="1"), "unknown field"),
     (dict(updated="999999999"), "future|range"), (dict(updated="1"), "stale"),
@@ -184,18 +184,6 @@ def test_snapshot_of_a_new_model_is_empty_and_registers_it():
     store = _store(models=())
     view = store.snapshot("m")
     assert view.cells == {} and "m" in store._models and view.rng is store._rng
-
-
-def test_note_decision_sets_the_incumbent_but_not_for_exploration():
-    store = _store()
-    d = Decision(pool="ngram", mode=SpecMode.NONE, k=0, decided_by="policy", workload_class="chat",
-                 detail={"load_bucket": "4-7", "pool_mode": "ngram", "explore": False})
-    store.note_decision("m", d)
-    assert store.snapshot("m").chosen_k[("ngram", "chat", "4-7")] == 0
-    explored = Decision(pool="ngram", mode=SpecMode.NGRAM, k=5, decided_by="policy", workload_class="chat",
-                        detail={"load_bucket": "4-7", "pool_mode": "ngram", "explore": True})
-    store.note_decision("m", explored)
-    assert store.snapshot("m").chosen_k[("ngram", "chat", "4-7")] == 0
 
 
 def test_record_completion_uses_the_decision_bucket():
@@ -269,18 +257,15 @@ def test_batched_writes_add_up_across_replicas_with_ttl(store_for, redis_client)
 
 
 @pytest.mark.redis
-def test_background_refresh_shares_state_and_incumbents_survive_a_router_restart(store_for):
+def test_background_refresh_shares_state_and_it_survives_a_router_restart(store_for):
     writer = store_for()
     reader = store_for(models=("m",), refresh_interval_s=0.2, start=True)
     writer.record("m", "ngram", "ngram", "code", "2-3", stats(), latency_s=1.0)
-    d = choose_auto(POOLS, RouterConfig(), "code", TuningView("m"))  # no rng: an exploiting decision
-    assert not d.detail["explore"] and d.k > 0
-    writer.note_decision("m", d)
     writer.flush_now()
     assert wait_until(lambda: ("ngram", "code", "2-3") in reader.snapshot("m").cells, 3.0)
     restarted = store_for()
     restarted.refresh_now("m")
-    assert restarted.snapshot("m").chosen_k[("ngram", "code", d.detail["load_bucket"])] == d.k
+    assert restarted.snapshot("m").cells[("ngram", "code", "2-3")] == reader.snapshot("m").cells[("ngram", "code", "2-3")]
 
 
 @pytest.mark.redis
@@ -295,7 +280,7 @@ def test_poisoned_keys_are_ignored_counted_and_repaired(store_for, redis_client,
     redis_client.rpush(key("none", "chat"), "a", "b")
     redis_client.hset(key("ngram", "code"), mapping={f"f{i}": i for i in range(10000)})
     redis_client.hset(key("ngram", "rag"), mapping={"steps": "1" * (1 << 20)})
-    redis_client.hset(key("ngram", "summarization"), mapping={"steps": 100, "k_steps": 300, "chosen_k": 1000, "updated": now})
+    redis_client.hset(key("ngram", "summarization"), mapping={"steps": 100, "k_steps": 3000, "updated": now})
     redis_client.hset(key("ngram", "qa"), mapping={"steps": -5, "updated": now})
     redis_client.hset(key("ngram", "math"), mapping={"steps": 10, "decode_s": "nan", "updated": now})
     redis_client.hset(key("ngram", "extraction"), mapping={"steps": 10, "evil": 1, "updated": now})
@@ -309,7 +294,7 @@ def test_poisoned_keys_are_ignored_counted_and_repaired(store_for, redis_client,
         assert reader.refresh_now("m")
     assert sorted(kinds) == ["fields", "size", "type", "type"] + ["value"] * 6  # the metric hook, by reason
     view = reader.snapshot("m")
-    assert set(view.cells) == {("ngram", "translation", "1")} and dict(view.chosen_k) == {}
+    assert set(view.cells) == {("ngram", "translation", "1")}
     assert reader.counters["malformed_cells"] == poisoned
     assert sum("ignoring tuning key" in r.getMessage() for r in caplog.records) == poisoned
     empty = TuningView("m")

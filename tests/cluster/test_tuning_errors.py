@@ -47,7 +47,7 @@ def test_a_store_with_models_never_registers_another_name():
         assert store.snapshot(name).cells == {}
         assert store.table(name, fresh=False) == []
         assert not store.record(name, "ngram", "ngram", "chat", "1", stats(), latency_s=1.0)
-    assert store._models == {"m"} and set(store._overlay) <= {"m"} and set(store._key_cache) <= {"m"}
+    assert store._models == {"m"} and set(store._key_cache) <= {"m"}
     assert store.counters["records_invalid"] == 1000 and not store._records
     assert store.tracks("m") and not store.tracks("x0")
 
@@ -56,7 +56,7 @@ def test_an_open_store_registers_at_most_max_models():
     store = TuningStore(RedisConfig(url="redis://127.0.0.1:1/0"), start=False)
     for i in range(MAX_MODELS * 10):
         store.snapshot(f"m{i}")
-    assert len(store._models) == MAX_MODELS and len(store._overlay) == MAX_MODELS
+    assert len(store._models) == MAX_MODELS
 
 
 def test_the_cached_table_does_no_redis_io():

@@ -2,20 +2,7 @@ import pytest
 
 from cluster.speculation import EXTRA_ARGS_K
 from cluster.engine.draft_gate import DraftGate
-from cluster.engine.vllm_scheduler import effective_k, k_cap_for_batch, requested_k
-
-TABLE = [(1, 6), (4, 3), (16, 0)]
-
-
-@pytest.mark.parametrize("batch, cap", [(1, 6), (3, 6), (4, 3), (15, 3), (16, 0), (500, 0)])
-def test_cap_table_lookup(batch, cap):
-    assert k_cap_for_batch(batch, TABLE) == cap
-
-
-def test_cap_table_absent_or_starting_late():
-    assert k_cap_for_batch(3, None) is None
-    assert k_cap_for_batch(3, []) is None
-    assert k_cap_for_batch(1, [(2, 1)]) is None
+from cluster.engine.vllm_scheduler import requested_k
 
 
 @pytest.mark.parametrize(
@@ -28,15 +15,6 @@ def test_requested_k(extra, k_max, want):
     assert requested_k(extra, k_max) == want
 
 
-@pytest.mark.parametrize(
-    "k, k_max, batch, table, want",
-    [(4, 6, 1, None, 4), (4, 6, 8, TABLE, 3), (4, 6, 20, TABLE, 0), (9, 6, 1, None, 6), (2, 6, 8, TABLE, 2),
-     (0, 6, 1, TABLE, 0), (5, 6, 2, [(1, -1)], 0)],
-)
-def test_effective_k(k, k_max, batch, table, want):
-    assert effective_k(k, k_max, batch, table) == want
-
-
 def test_scheduler_class_resolves_for_vllm():
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -45,74 +23,7 @@ def test_scheduler_class_resolves_for_vllm():
     assert issubclass(vllm_scheduler.PerRequestKScheduler, Scheduler)
 
 
-@pytest.mark.parametrize(
-    "extra, want",
-    [(None, None), ({}, None), ({"specserve_k_cap": [[1, 4], [8, 1]]}, [(1, 4), (8, 1)]),
-     ({"specserve_k_cap": [[8, 1], [1, 4]]}, [(1, 4), (8, 1)]), ({"specserve_k_cap": "x"}, None),
-     ({"specserve_k_cap": [[0, 4]]}, None), ({"specserve_k_cap": [[1, -2]]}, None),
-     ({"specserve_k_cap": [["a", 1]]}, None), ({"specserve_k_cap": [[1, 1]] * 65}, None)],
-)
-def test_cap_table_from_request(extra, want):
-    from cluster.engine.vllm_scheduler import cap_table_from
-
-    assert cap_table_from(extra) == want
-
-
-# -- K growing within a request ---------------------------------------------------------------------
-
-@pytest.mark.parametrize(
-    "extra, want",
-    [(None, None), ({}, None), ({"specserve_k_grow": [2, 5]}, (2, 5)), ({"specserve_k_grow": (1, 6)}, (1, 6)),
-     ({"specserve_k_grow": [0, 5]}, None), ({"specserve_k_grow": [2, 0]}, None), ({"specserve_k_grow": [2]}, None),
-     ({"specserve_k_grow": "2,5"}, None), ({"specserve_k_grow": [2, "x"]}, None), ({"specserve_k_grow": [-1, 5]}, None)],
-)
-def test_growth_from_request(extra, want):
-    from cluster.engine.vllm_scheduler import growth_from
-
-    assert growth_from(extra) == want
-
-
-@pytest.mark.parametrize(
-    "k_state, k_base, batch, table, want",
-    [(5, 3, 1, [(1, 3)], 5),  # the first entry caps admissions, not growth
-     (5, 3, 1, [(1, 3), (4, 2)], 5), (5, 3, 4, [(1, 3), (4, 2)], 2),  # a load cap binds a grown K too
-     (3, 3, 1, [(1, 2)], 2),  # not grown: the whole table, as before
-     (9, 3, 1, None, 6),  # K_max bounds it
-     (5, 3, 16, [(1, 6), (16, 0)], 0)],
-)
-def test_grown_effective_k(k_state, k_base, batch, table, want):
-    from cluster.engine.vllm_scheduler import grown_effective_k
-
-    assert grown_effective_k(k_state, k_base, 6, batch, table) == want
-
-
-def test_next_k_follows_the_replays_growing_policy():
-    """The engine's rule is the one `tools.bench.k_replay` priced (GrowOnFullAccept): over random
-    step outcomes, the two give the same K sequence."""
-    import random
-
-    from tools.bench.k_replay import GrowOnFullAccept, Step
-    from cluster.engine.vllm_scheduler import next_k
-
-    rng = random.Random(7)
-    for base, up, top in [(1, 2, 5), (3, 2, 5), (2, 1, 6), (4, 2, 6)]:
-        pol, state, k = GrowOnFullAccept(base, top, up), GrowOnFullAccept(base, top, up).start(), base
-        for _ in range(300):
-            drafted = rng.choice([0, k, k, k, max(k - 1, 0)])
-            accepted = rng.choice([drafted, drafted, rng.randint(0, drafted)])
-            state = pol.update(state, Step(k, drafted, accepted))
-            k = next_k(k, k, base, (up, top), drafted, accepted)
-            assert k == state
-
-
-def test_next_k_edges():
-    from cluster.engine.vllm_scheduler import next_k
-
-    assert next_k(0, 0, 0, (2, 5), 0, 0) == 0  # K = 0 drafts nothing and stays
-    assert next_k(2, 2, 3, (2, 5), 2, 2) == 4  # a load cap had cut it to 2: grow from what ran
-    assert next_k(2, 2, 3, (2, 5), 2, 1) == 3  # ... and a rejection resets to the admitted K
-    assert next_k(5, 5, 3, (2, 5), 5, 9) == 5  # accepted beyond drafted (never from vLLM): full
-
+# -- the scheduler's wiring ---------------------------------------------------------------------------
 
 class _Req:
     def __init__(self, extra):
@@ -137,59 +48,8 @@ def _scheduler(monkeypatch, requests: dict):
     cls = vllm_scheduler.PerRequestKScheduler
     sched = cls.__new__(cls)
     sched.requests, sched.running, sched.num_spec_tokens = requests, list(requests.values()), 6
-    sched.start_state({})  # no cap table, no batch bound, the gate not learning
+    sched.start_state({})  # no batch bound, the gate not learning
     return sched
-
-
-def test_scheduler_trims_to_the_grown_k_step_by_step(monkeypatch):
-    """The wiring: drafts are trimmed to the request's current K, and the K state follows what vLLM
-    scheduled and sampled in each step (vLLM's own bookkeeping is stubbed out here; the real engine
-    runs it in tests/e2e/test_foundation.py)."""
-    from types import SimpleNamespace
-
-    sched = _scheduler(monkeypatch, {"g": _Req({"specserve_k": 2, "specserve_k_grow": [2, 5]}),
-                                     "f": _Req({"specserve_k": 2})})
-
-    def step(accepted_g, accepted_f):
-        # As in vLLM: schedule, run (the proposer drafts what schedule asked for, for the next
-        # step), judge the step, then hand the drafts over to be trimmed and verified next step.
-        n = sched.schedule().num_spec_tokens_to_schedule
-        offered = SimpleNamespace(req_ids=["g", "f"], draft_token_ids=[list(range(n)), list(range(n))])
-        sched.update_draft_token_ids(offered)
-        kept = dict(zip(offered.req_ids, offered.draft_token_ids))
-        so = SimpleNamespace(scheduled_spec_decode_tokens=kept)
-        mo = SimpleNamespace(req_id_to_index={"g": 0, "f": 1},
-                             sampled_token_ids=[[0] * (accepted_g + 1), [0] * (accepted_f + 1)])
-        sched.update_from_output(so, mo)
-        return len(kept["g"]), len(kept["f"])
-
-    assert step(2, 2) == (2, 2)  # both accept their full K = 2; only "g" grows
-    assert sched.schedule().num_spec_tokens_to_schedule == 5  # "g" may be at 4 + 2 -> top 5 next
-    assert step(4, 2) == (4, 2)
-    assert step(1, 2) == (5, 2)  # 4 + 2 capped at the top 5; "g" rejects at its 2nd draft
-    assert step(0, 0) == (2, 2)  # back to the admitted K
-    assert sched.schedule().num_spec_tokens_to_schedule == 4  # drafts for "g" at 2 + 2
-
-
-def test_the_proposer_drafts_for_the_k_a_growing_request_may_have_next(monkeypatch):
-    """The order of a vLLM step: drafts proposed during step t (as many as `schedule` asked for at
-    t) are verified at t + 1, after t's outcome moved the K. Drafting only for the K before that
-    outcome gave every grown step the old K's drafts, read as a short match: nothing grew (the
-    first A/B). Here the proposer drafts exactly `num_spec_tokens_to_schedule` and K still grows."""
-    from types import SimpleNamespace
-
-    sched = _scheduler(monkeypatch, {"g": _Req({"specserve_k": 1, "specserve_k_grow": [2, 5]})})
-    verified, pending = [], None
-    for _ in range(5):  # a long copy: every draft is accepted
-        n = sched.schedule().num_spec_tokens_to_schedule
-        if pending is not None:  # step t verifies the drafts kept after t - 1
-            verified.append(len(pending))
-            sched.update_from_output(SimpleNamespace(scheduled_spec_decode_tokens={"g": pending}),
-                                     SimpleNamespace(req_id_to_index={"g": 0}, sampled_token_ids=[[0] * (len(pending) + 1)]))
-        offered = SimpleNamespace(req_ids=["g"], draft_token_ids=[list(range(n))])
-        sched.update_draft_token_ids(offered)
-        pending = offered.draft_token_ids[0]
-    assert verified == [1, 3, 5, 5]
 
 
 def _step(sched, accepted: dict[str, int], offered_n: int = 6) -> dict[str, int]:
@@ -222,6 +82,20 @@ def test_per_step_k_follows_each_requests_acceptance(monkeypatch):
     for _ in range(6):
         ks = _step(sched, {"copy": 0, "fixed": 2})
     assert ks["fixed"] == 2 and ks["copy"] < first["copy"]  # every draft rejected: fewer drafts
+
+
+def test_a_fixed_k_is_kept_at_every_step_whatever_the_batch_and_the_acceptance(monkeypatch):
+    """A caller's K is the whole rule for its request: the same K in a batch of 16 under a cost
+    where drafts do not pay, after every draft was rejected, bounded only by the drafts found."""
+    reqs = {f"r{i}": _Req({"specserve_k": 3}) for i in range(16)}
+    sched = _scheduler(monkeypatch, reqs)
+    for b in (1, 4, 16):
+        for d in (0, 4, 16):
+            for _ in range(30):
+                sched.step_cost.observe(b, d, 0.05 + 0.01 * b + 0.01 * d + (0.005 if d else 0.0))
+    for _ in range(5):
+        assert set(_step(sched, {r: 0 for r in reqs}).values()) == {3}
+    assert set(_step(sched, {r: 0 for r in reqs}, offered_n=2).values()) == {2}
 
 
 def test_per_step_k_never_exceeds_the_ceiling_or_the_drafts_found(monkeypatch):

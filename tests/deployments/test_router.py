@@ -13,7 +13,6 @@ from starlette.requests import Request
 
 from cluster.config import load_config
 from cluster.speculation import WORKLOAD_CLASSES
-from cluster.speculation import k_cap_for_batch
 from deployments.engine import EngineChunk, EngineInputError
 from deployments.router import Router
 from tests.paths import LOCAL_CPU
@@ -135,7 +134,7 @@ def test_success_reports_decision_and_stats():
     s = body["specserve"]
     assert (s["pool"], s["k"], s["decided_by"], s["token_ids"], s["replica"]) == ("ngram", 2, "request", [1, 2], "r1")
     req = handles["ngram"].requests[0]
-    assert req.k == 2 and req.k_cap_by_batch is None  # an explicit K is not capped by load
+    assert req.k == 2 and req.k_step_alpha is None  # an explicit K is fixed at every step
     assert not handles["ngram"].calls[0].cancelled
 
 
@@ -159,9 +158,10 @@ def test_the_response_reports_the_load_bucket_and_scores_behind_its_decision():
     body = {"messages": [{"role": "user", "content": "Summarize: the cat sat on the mat."}], "max_tokens": 4}
     d = json.loads(post(router, body).body)["specserve"]["decision"]
     assert d["load_bucket"] == "1" and d["join_batch"] == 1.0  # an idle router
-    assert isinstance(d["hysteresis"], bool) and "0" in d["k_scores"] and "cost_per_k" not in d
+    assert d["k_by"] == "engine" and 0.0 < d["k_step_alpha"] < 1.0 and d["scores"] and "cost_per_k" not in d
+    assert "k_scores" not in d  # the engine chooses K: the policy's scores per K are not the request's K
     explicit = json.loads(post(router, BODY).body)["specserve"]["decision"]
-    assert explicit == {"load_bucket": "1"}  # the caller's K: no scores, only the load it met
+    assert explicit == {"k_by": "request", "load_bucket": "1"}  # the caller's K: no scores, only the load it met
 
 
 def test_a_policy_decision_lets_the_engine_pick_k_per_step_from_the_class_alpha():
@@ -171,26 +171,9 @@ def test_a_policy_decision_lets_the_engine_pick_k_per_step_from_the_class_alpha(
     pool = router.config.pools[d.pool]
     assert d.decided_by == "policy" and d.mode in pool.modes and (req.mode, req.k) == (d.mode.value, pool.mode_max_k(d.mode))
     assert 0.0 < req.k_step_alpha < 1.0 and d.detail["k_step_alpha"] == req.k_step_alpha
-    assert req.k_cap_by_batch is None and req.k_grow is None  # the per-step choice replaces both
     # An explicit K is the caller's: fixed, no per-step choice.
     _, d, req = router.plan(_req(BODY))
     assert (d.k, req.k, req.k_step_alpha) == (2, 2, None)
-
-
-def test_a_policy_k_is_capped_at_admission_as_the_engine_will_cap_it():
-    router, handles = make_router(lambda: FakeCall([FINAL]), step_k=False)
-    body = {"messages": [{"role": "user", "content": "Summarize: the cat sat on the mat. The cat sat."}], "max_tokens": 4}
-    _, uncapped, _ = router.plan(_req(body))
-    assert uncapped.decided_by == "policy" and uncapped.k > 1  # what the policy picks from priors
-    router._cap_table = lambda model, pool, max_age_s=1.0: [(1, 1), (4, 0)]
-    _, d, req = router.plan(_req(body))
-    assert (d.k, req.k, d.detail["k_uncapped"]) == (1, 1, uncapped.k) and req.k_cap_by_batch == [(1, 1), (4, 0)]
-    router._cap_table = lambda model, pool, max_age_s=1.0: [(1, 0)]  # capped to nothing: plain decoding
-    _, d, req = router.plan(_req(body))
-    assert (d.k, d.mode.value, req.k, req.mode, req.k_cap_by_batch) == (0, "none", 0, "none", None)
-    # An explicit K is the caller's: never capped at admission.
-    _, d, req = router.plan(_req(BODY))
-    assert (d.k, req.k, req.k_cap_by_batch) == (2, 2, None) and "k_uncapped" not in d.detail
 
 
 def _req(body):
@@ -284,15 +267,12 @@ class RecordingTuning:
     healthy = True
 
     def __init__(self):
-        self.records, self.decisions = [], []
+        self.records = []
 
     def snapshot(self, model):
         from cluster.policy import TuningView
 
         return TuningView(model)
-
-    def note_decision(self, model, decision):
-        self.decisions.append(decision)
 
     def record_completion(self, model, decision, completion, batch_per_replica=0.0):
         self.records.append((decision.detail["load_bucket"], decision.decided_by))
@@ -346,8 +326,9 @@ def test_a_request_admitted_idle_that_meets_a_burst_is_recorded_at_the_burst_loa
     router, _ = make_router(lambda: SlowCall([FINAL], burst, 0.2))
     router_box["r"] = router
     router.tuning = RecordingTuning()
-    assert post(router, {**BODY, "specserve": {}}).status_code == 200
-    assert router.tuning.decisions[0].detail["load_bucket"] == "1"  # decided at admission, idle
+    r = post(router, {**BODY, "specserve": {}})
+    assert r.status_code == 200
+    assert json.loads(r.body)["specserve"]["decision"]["load_bucket"] == "1"  # decided at admission, idle
     assert router.tuning.records == [("4-7", "policy")]  # recorded at the load it ran under
 
 
@@ -398,12 +379,11 @@ def test_a_report_taken_before_a_request_finished_does_not_count_it():
     assert {v.name: v.running for v in router._live_pools("smollm2-135m")}["ngram"] == 3.0
 
 
-def test_policy_cap_table_uses_the_pools_configured_priors():
-    """The per-step K cap a policy-decided request carries is computed with its pool's configured
-    `prior_alpha` and `prior_draft_cost` (local config: with its measured fixed cost the EAGLE head
-    pays only for math, α 0.39, at K = 2 when idle, so its cap is 2 at batch 1, never below that
-    choice, and 0 under load; n-gram drafts deep when idle)."""
-    from cluster.policy import choose_auto, k_cap_table
+def test_the_policy_scores_a_pool_with_its_configured_priors():
+    """The policy scores a pool with its configured `prior_alpha` and `prior_draft_cost` (local
+    config: with its measured fixed cost the EAGLE head pays only for math, α 0.39, at K = 2 when
+    idle)."""
+    from cluster.policy import choose_auto
 
     class ColdTuning:  # no state yet: the priors alone
         def snapshot(self, model):
@@ -414,27 +394,9 @@ def test_policy_cap_table_uses_the_pools_configured_priors():
     draft = router.views["draft"]
     chosen = {c: choose_auto([draft], router.config.router, c).k for c in WORKLOAD_CLASSES}
     assert chosen["math"] == 2 and max(k for c, k in chosen.items() if c != "math") == 0
-    assert router._cap_table("smollm2-135m", "draft") == [(1, 2), (2, 0)]
-    # without the measured draft cost the same pool would draft under load too
-    without = k_cap_table("eagle", 3, None, priors=draft.prior_alpha)
-    assert k_cap_for_batch(1, without) >= 2 and k_cap_for_batch(2, without) > 0
-    assert router._cap_table("smollm2-135m", "ngram")[0] == (1, 6)
-
-
-def test_a_policy_k_grows_in_the_engine_an_explicit_one_only_when_asked():
-    router, handles = make_router(lambda: FakeCall([FINAL]), step_k=False, k_grow_step=2, k_grow_max=5)
-    pool = router.config.pools["ngram"]
-    assert (pool.k_grow_step, pool.k_grow_max) == (2, 5)  # a pool that grows a policy K
-    body = {"messages": [{"role": "user", "content": "Summarize: the cat sat on the mat. The cat sat."}], "max_tokens": 4}
-    router._cap_table = lambda model, pool, max_age_s=1.0: [(1, 3)]
-    _, d, req = router.plan(_req(body))
-    assert d.decided_by == "policy" and 1 <= d.k < 5 and req.k_grow == (2, 5)
-    _, d, req = router.plan(_req(BODY))  # the caller named K = 2: it stays 2
-    assert (d.k, req.k_grow) == (2, None)
-    grow = {**BODY, "specserve": {"speculative": {"mode": "ngram", "k": 2, "k_grow": 1}}}
-    assert router.plan(_req(grow))[2].k_grow == (1, 5)
-    off = {**body, "specserve": {"speculative": {"mode": "ngram", "k": 3, "k_grow": 0}}}
-    assert router.plan(_req(off))[2].k_grow is None
+    # without the measured draft cost the same pool would draft for other classes too
+    bare = dataclasses.replace(draft, prior_draft_cost=None)
+    assert max(choose_auto([bare], router.config.router, c).k for c in WORKLOAD_CLASSES if c != "math") > 0
 
 
 def test_grpc_stats_carry_the_exploration_flag():
@@ -447,7 +409,7 @@ def test_grpc_stats_carry_the_exploration_flag():
     c.stats["explored"] = False
     assert spec_stats_proto(pb, c).explored is False
     assert spec_stats_proto(pb, c).load_bucket == ""
-    c.stats["decision"] = {"load_bucket": "16+", "k_scores": {"0": 0.1}}
+    c.stats["decision"] = {"load_bucket": "16+", "k_by": "engine"}
     assert spec_stats_proto(pb, c).load_bucket == "16+"
 
 

@@ -162,7 +162,7 @@ def test_get_tuning_grows_no_cache_and_does_no_redis_io(monkeypatch):
                 pass
         return await router.GetTuning(pb.GetTuningRequest(), Ctx())
     asyncio.run(many())
-    assert store._models == {MODEL} and set(store._key_cache) <= {MODEL} and set(store._overlay) <= {MODEL}
+    assert store._models == {MODEL} and set(store._key_cache) <= {MODEL}
     assert set(store._views) <= {MODEL}
 
 

@@ -87,12 +87,13 @@ HOSTILE = [  # (prompt's class, request fields, acceptance the engine reports)
 
 
 def _auto_picks(router, store):
-    """What auto picks (exploiting) for each class at batches 1 and 8, and each class's α."""
+    """What auto picks (exploiting) for each class at batches 1 and 8 (pool, method, the engine's
+    ceiling and the K the pool was scored at), and each class's α (where the engine's K starts)."""
     view = store.snapshot(MODEL)
     rows = explain_choices(pool_views(router.config), router.config.router, view, list(PROMPTS), [1, 8])
     ngram = router.views["ngram"]
     alphas = {c: round(class_model(view, "ngram", c, ngram.prior_alpha)[0], 6) for c in PROMPTS}
-    return [(r["batch"], r["workload_class"], r["pool"], r["mode"], r["k"]) for r in rows], alphas
+    return [(r["batch"], r["workload_class"], r["pool"], r["mode"], r["k"], r["k_best"]) for r in rows], alphas
 
 
 @pytest.fixture
@@ -108,7 +109,7 @@ def _store(url, prefix):
 
 
 def _cells(store):
-    """The model's cells, counts only (a write of the incumbent K refreshes `updated`)."""
+    """The model's cells, counts only (every write refreshes `updated`)."""
     return {key: replace(cell, updated_unix_s=0.0) for key, cell in store.snapshot(MODEL).cells.items()}
 
 
@@ -188,9 +189,6 @@ def test_the_client_is_the_api_key_label_when_keys_are_on(tmp_path):
             from cluster.policy import TuningView
             return TuningView(model=model)
 
-        def note_decision(self, *a):
-            pass
-
         def record_completion(self, model, d, comp):
             recorded.append(d.workload_class)
 
@@ -229,9 +227,6 @@ class _Recorded:
     def snapshot(self, model):
         from cluster.policy import TuningView
         return TuningView(model=model)
-
-    def note_decision(self, *a):
-        pass
 
     def record_completion(self, model, d, comp):
         self.records.append((d.mode.value, d.k))

@@ -97,12 +97,16 @@ def test_greedy_output_identical_with_speculation_on_and_off(cluster):
 def test_suffix_requests_draft_from_earlier_outputs_beside_ngram_requests_in_one_engine(cluster):
     """Mode suffix is served by the n-gram pool's engine (cluster/engine/lookup_proposer.py): a
     second request whose answer repeats an earlier request's answer gets it as drafts, which prompt
-    lookup cannot see; n-gram and suffix requests share the engine's batches, text unchanged."""
+    lookup cannot see; n-gram and suffix requests share the engine's batches, text unchanged.
+    The suffix trees start empty of earlier answers: what the session's other tests left there shares
+    prefixes with the first answer and spreads the tree's estimates below the batch's `min_token_prob`."""
     first = "Write a haiku about a lighthouse keeper who counts the waves at night."
     second = "Write a haiku about a lighthouse keeper who counts the waves at night, please."
 
     async def run():
         async with httpx.AsyncClient() as client:
+            forgot = await client.post(f"{cluster.http_url}/v1/specserve/forget_outputs", timeout=60)
+            assert forgot.status_code == 200, forgot.text
             a = await chat(client, cluster.http_url, first, 48, {"mode": "ngram", "k": 4})
             b = await asyncio.gather(chat(client, cluster.http_url, second, 48, {"mode": "suffix", "k": 4}),
                                      chat(client, cluster.http_url, second, 48, {"mode": "ngram", "k": 4}),
@@ -183,31 +187,6 @@ def test_per_request_k_is_applied_inside_one_engine_concurrently(cluster):
     assert min(s["drafted"] for s in by_k[6]) > max(s["drafted"] for s in by_k[1])
     assert max(s["steps"] for s in by_k[6]) < min(s["steps"] for s in by_k[0])
     assert max(s["drafted"] / s["spec_steps"] for s in by_k[1]) <= 1.0
-
-
-def test_k_grows_within_a_request_while_its_drafts_are_accepted(cluster):
-    """`speculative.k_grow`: the engine's scheduler raises a request's K after each fully accepted
-    step (here from 1 by 2, up to the pool's k_grow_max) and drops it back after a rejection. On a
-    copy the grown K drafts positions a fixed K = 1 never does, in fewer steps, same greedy text."""
-    text = COPY_PROMPT
-    top = next(p for p in httpx.get(f"{cluster.http_url}/v1/models", timeout=30).json()["data"][0]["specserve"]["pools"]
-               if p["method"] == "ngram")["max_k"]
-
-    async def run():
-        async with httpx.AsyncClient() as client:
-            return await asyncio.gather(*[chat(client, cluster.http_url, text, 64, spec) for spec in (
-                {"mode": "none"}, {"mode": "ngram", "k": 1}, {"mode": "ngram", "k": 1, "k_grow": 2},
-                {"mode": "ngram", "k": 1, "k_grow": 0})])
-
-    plain, fixed, grown, off = (r["specserve"] for r in asyncio.run(run()))
-    assert fixed["token_ids"] == grown["token_ids"] == off["token_ids"] == plain["token_ids"], "greedy text changed"
-    assert grown["k"] == 1  # the admitted K is what the response reports
-    assert all(n == 0 for n in fixed["drafted_per_position"][1:]) and all(n == 0 for n in off["drafted_per_position"][1:])
-    pos = grown["drafted_per_position"]
-    assert len(pos) > 1 and pos[1] > 0, grown  # steps drafted past K = 1: the K grew
-    assert len(pos) <= top and pos[2] > 0, grown  # 1 -> 3 -> 5 on a copy
-    # Fewer steps by a margin a K stuck at 1 cannot reach (the first A/B's fault: growth undone each step).
-    assert grown["accepted"] > fixed["accepted"] and grown["steps"] < 0.8 * fixed["steps"], (grown, fixed)
 
 
 def test_router_decided_requests_get_their_k_per_step_in_the_engine(cluster):

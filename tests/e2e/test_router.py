@@ -52,7 +52,8 @@ def test_auto_decisions_follow_the_workload_class(cluster):
         assert r.status_code == 200, r.text
         s = r.json()["specserve"]
         assert s["decided_by"] == "policy" and isinstance(s["explored"], bool)
-        assert s["decision"]["load_bucket"] in BUCKET_NAMES and "0" in s["decision"]["k_scores"]
+        assert s["decision"]["load_bucket"] in BUCKET_NAMES and s["decision"]["k_by"] == "engine"
+        assert 0.0 <= s["decision"]["k_step_alpha"] <= 1.0 and s["decision"]["scores"]
         assert s["workload_class"] == wclass
         seen[wclass] = s
     explicit = httpx.post(f"{url}/v1/chat/completions", timeout=300, json={

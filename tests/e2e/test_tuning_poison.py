@@ -35,7 +35,7 @@ def _poison(client: redis.Redis) -> dict[str, str]:
         key("ngram", "chat"): "type",
         key("ngram", "code"): "fields",
         key("ngram", "qa"): "size",
-        key("ngram", "summarization"): "value",  # chosen K far beyond any pool
+        key("ngram", "summarization"): "value",  # more K per step than any pool
         key("none", "translation"): "value",  # negative counts
         key("ngram", "translation", "2-3"): "value",  # NaN
     }
@@ -45,8 +45,7 @@ def _poison(client: redis.Redis) -> dict[str, str]:
     client.set(ks[0], "not a hash")
     client.hset(ks[1], mapping={f"f{i}": i for i in range(5000)})
     client.hset(ks[2], mapping={"steps": "9" * (1 << 20)})
-    client.hset(ks[3], mapping={"steps": 100, "k_steps": 300, "accepted": 290, "drafted": 300, "chosen_k": 1000,
-                                "updated": now})
+    client.hset(ks[3], mapping={"steps": 100, "k_steps": 3000, "accepted": 290, "drafted": 300, "updated": now})
     client.hset(ks[4], mapping={"steps": -5, "requests": -1, "updated": now})
     client.hset(ks[5], mapping={"steps": 10, "decode_s": "nan", "updated": now})
     return keys
@@ -59,12 +58,12 @@ def _metric_total(text: str, name: str) -> float:
 
 def test_poisoned_tuning_keys_are_ignored_with_a_warning_and_a_metric(cluster):
     client = redis.Redis.from_url(cluster.redis_url)
-    # A plausible-looking cell that claims every draft is accepted and an incumbent K of 16: valid
-    # values, but K must still stay within the pool's maximum (ngram: 6).
+    # A plausible-looking cell that claims every draft is accepted at K = 16: valid values, but K
+    # must still stay within the pool's maximum (ngram: 6).
     greedy = cell_key(PREFIX, MODEL, "ngram", "translation", "1")
     client.hset(greedy, mapping={"requests": 50, "steps": 500, "drafted": 8000, "accepted": 8000,
                                  "rejected_steps": 0, "k_steps": 8000, "tokens": 8500, "decode_s": 50.0,
-                                 "chosen_k": 16, "updated": str(time.time())})
+                                 "updated": str(time.time())})
     started = time.time()
     poisoned = _poison(client)
     max_k = {name: p["max_k"] for name, p in cluster.raw["pools"].items()}

@@ -175,8 +175,7 @@ def step_time_by_drafts(samples: Iterable, cases: Sequence["Case"], propose: Pro
     rows, times, seen = [], [], {}
     for x in _greedy(samples, 1, phase):
         config = parse_config(x.config)[0]
-        if (config.mode not in (NONE, SpecMode.NGRAM.value) or config.k is None or config.k_grow is not None
-                or x.prompt_id not in by_id):
+        if (config.mode not in (NONE, SpecMode.NGRAM.value) or config.k is None or x.prompt_id not in by_id):
             continue
         k = config.k
         if (x.prompt_id, k) not in seen:
@@ -232,11 +231,9 @@ def cases_from(samples: Iterable, prompts_file: Path, tokenizer, phase: str = "c
 
 
 def analyse(cases: Sequence[Case], costs: dict[int, float], propose: Propose, policies: Sequence = (),
-            chosen: Optional[dict[str, list[int]]] = None, growth: Optional[tuple[int, int]] = None,
-            by_drafts: Optional[dict[int, float]] = None) -> dict:
+            chosen: Optional[dict[str, list[int]]] = None, by_drafts: Optional[dict[int, float]] = None) -> dict:
     """Tokens per step and throughput (tokens per plain-step time) of every static K, the per-task and
-    per-prompt best K with hindsight, `policies`, and the K `auto` chose (`chosen`: prompt -> Ks),
-    also grown within each request by the engine's rule `growth` (step, top) when given. Steps are
+    per-prompt best K with hindsight, `policies`, and the K `auto` chose (`chosen`: prompt -> Ks). Steps are
     priced by their K, or by their drafts with `by_drafts` (see `steps_cost`)."""
     ks = sorted(k for k in costs if k > 0)
     tokens = {c.prompt_id: len(c.output_ids) - 1 for c in cases}
@@ -275,15 +272,6 @@ def analyse(cases: Sequence[Case], costs: dict[int, float], propose: Propose, po
             best_rate = (sum(len(picked[p]) * tokens[p] for p in picked)
                          / sum(len(picked[p]) * time[p][best] for p in picked))
             result["ceilings"]["auto's chosen K, replayed"] = ratio / best_rate
-            if growth is not None:
-                by_case = {c.prompt_id: c for c in cases}
-                step, top_k = growth
-                grown = sum(steps_cost(replay(by_case[p].prompt_ids, by_case[p].output_ids,
-                                              GrowOnFullAccept(k, max(top_k, k), step) if 0 < k < top_k else StaticK(k),
-                                              propose), costs, by_drafts)
-                            for p in picked for k in picked[p])
-                result["ceilings"][f"auto's chosen K, grown +{step} to {top_k}"] = (
-                    sum(len(picked[p]) * tokens[p] for p in picked) / grown / best_rate)
     return result
 
 
@@ -326,12 +314,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     pool = next(p for p in load_config(args.config).pools.values() if p.method == SpecMode.NGRAM)
     min_n, max_n = (int(x) for x in args.ngram.split(",")) if args.ngram else (pool.ngram_min, pool.ngram_max)
-    growth = (pool.k_grow_step, min(pool.k_grow_max or pool.max_k, max(costs))) if pool.k_grow_step else None
     tok = _tokenizer(args.config, meta["model"], args.tokenizer)
     cases = cases_from(samples, Path(args.prompts or meta["prompts_file"]), tok)
     propose = ngram_proposer(min_n, max_n)
     by_drafts = step_time_by_drafts(samples, cases, propose)
-    r = analyse(cases, costs, propose, grow_policies(costs), auto_choices(samples), growth,
+    r = analyse(cases, costs, propose, grow_policies(costs), auto_choices(samples),
                 by_drafts if args.price == "drafts" else None)
     measured = {}
     for k in r["static"]:

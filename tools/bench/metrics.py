@@ -163,7 +163,6 @@ def summarize(samples: list[Sample], slo: Slo = Slo()) -> dict[str, Any]:
         "k_distribution": dict(sorted(Counter(f"{s.spec.get('mode', '?')}:{s.spec.get('k', '?')}"
                                               for s in ok).items())),
         "explored": sum(1 for s in ok if s.spec.get("explored")),
-        "held": sum(1 for s in ok if (s.spec.get("decision") or {}).get("hysteresis")),
         "load_buckets": dict(sorted(Counter(s.spec["decision"]["load_bucket"] for s in ok
                                             if (s.spec.get("decision") or {}).get("load_bucket")).items())),
     }

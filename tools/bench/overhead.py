@@ -1,11 +1,11 @@
-"""What the router adds to a request, apart from Ray's handle hop: validation, classification, the
-routing decision with the tuning snapshot, and the per-pool K cap table.
+"""What the router adds to a request, apart from the hop to the engine: validation, classification,
+the routing decision with the tuning snapshot, and the class α the engine's per-step K starts from.
 
 Runs the router's own code in-process (`Router.plan`, the whole pre-engine path of a request)
 over the dev set's prompts, with a real TuningStore against a real Redis (when one answers at the
 config's URL) and with Redis unreachable (fail-open), and prints p50 / p99 / max in microseconds.
-The hop from the router to an engine replica is Ray Serve's (about 7-8 ms p50 here, BENCHMARKS.md 3) and is
-the same whether the router or a static client picks the pool.
+The hop from the router to an engine replica (the local lane, or Ray Serve's handle) is the same
+whether the router or a static client picks the pool.
 
     python -m tools.bench.overhead [--config cluster/configs/local-cpu.yaml] [--repeats 20]
 """
@@ -29,7 +29,7 @@ DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "cluster" / "data" / "sp
 
 
 def measure(router: Router, bodies: list[dict], repeats: int) -> list[float]:
-    """Seconds per request for parse + validate + classify + route + cap table (Router.plan)."""
+    """Seconds per request for parse + validate + classify + route + class α (Router.plan)."""
     times = []
     for _ in range(repeats):
         for body in bodies:

@@ -29,7 +29,6 @@ class BenchConfig:
     name: str
     mode: Optional[str]  # None: no override (auto)
     k: Optional[int]  # None: the router picks K
-    k_grow: Optional[int] = None  # MODE:K+S: K grows by S within the request (None: fixed K)
     # A stock-vLLM server (`tools.bench.anchors`), not the cluster: plain OpenAI requests, its own URL.
     baseline: bool = False
 
@@ -39,8 +38,7 @@ class BenchConfig:
             return None
         if self.mode == NONE:
             return {"mode": NONE}
-        spec = {"mode": self.mode} if self.k is None else {"mode": self.mode, "k": self.k}
-        return spec if self.k_grow is None else {**spec, "k_grow": self.k_grow}
+        return {"mode": self.mode} if self.k is None else {"mode": self.mode, "k": self.k}
 
     @property
     def is_speculative(self) -> bool:
@@ -79,21 +77,12 @@ def discover_configs(pools: list[dict]) -> list[BenchConfig]:
 
 
 def parse_config(token: str, max_k: Optional[dict[str, int]] = None) -> list[BenchConfig]:
-    """One item of --configs: none | auto | MODE | MODE:K | MODE:* (all K of that mode) | MODE:K+S
-    (K growing by S after a fully accepted step, up to the pool's k_grow_max: `speculative.k_grow`).
+    """One item of --configs: none | auto | MODE | MODE:K | MODE:* (all K of that mode).
 
-    >>> parse_config("ngram:3+2")
-    [BenchConfig(name='ngram:3+2', mode='ngram', k=3, k_grow=2, baseline=False)]
+    >>> parse_config("ngram:3")
+    [BenchConfig(name='ngram:3', mode='ngram', k=3, baseline=False)]
     """
     token = token.strip()
-    base, plus, grow = token.partition("+")
-    if plus:
-        if not grow.isdigit() or int(grow) < 1:
-            raise ValueError(f"--configs: the growth after + must be a number >= 1 in {token!r}")
-        configs = parse_config(base, max_k)
-        if len(configs) != 1 or configs[0].k is None or configs[0].mode in (None, NONE):
-            raise ValueError(f"--configs: growth needs a speculative MODE:K before the + in {token!r}")
-        return [BenchConfig(token, configs[0].mode, configs[0].k, int(grow))]
     if token == AUTO:
         return [BenchConfig(AUTO, None, None)]
     if token == NONE or token == f"{NONE}:0":

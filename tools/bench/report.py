@@ -164,17 +164,17 @@ def _ms(x: Optional[float]) -> str:
     return fmt(None if x is None or math.isnan(x) else x * 1000.0, 0)
 
 
-def _kdist(d: dict, explored: int = 0, held: int = 0, buckets: Optional[dict] = None) -> str:
-    """`mode:K×n ...`, how many of those the router's exploration draw chose and how many kept an
-    incumbent K by hysteresis, and the load buckets the requests were admitted at."""
-    notes = [f"explored {explored}"] * bool(explored) + [f"held {held}"] * bool(held)
+def _kdist(d: dict, explored: int = 0, buckets: Optional[dict] = None) -> str:
+    """`mode:K×n ...`, how many of those the router's exploration draw chose, and the load buckets
+    the requests were admitted at."""
+    notes = [f"explored {explored}"] * bool(explored)
     if buckets and set(buckets) != {"1"}:  # one stream is always admitted at 1: not worth a note
         notes.append("at " + " ".join(f"{b}×{n}" for b, n in buckets.items()))
     return " ".join(f"{k}×{v}" for k, v in d.items()) + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _kcell(r: dict) -> str:
-    return _kdist(r["k_distribution"], r.get("explored", 0), r.get("held", 0), r.get("load_buckets"))
+    return _kdist(r["k_distribution"], r.get("explored", 0), r.get("load_buckets"))
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:

@@ -33,8 +33,9 @@ from cluster.k8s.kustomize import build
 from cluster.ops.placement import (
     APP_IMPORT_PATH,
     GRPC_SERVICER_FUNCTIONS, drafter_deployment_options, engine_deployment_options, grpc_reflection,
-    router_deployment_options, ray_node_env, used_drafters,
+    router_deployment_options, used_drafters,
 )
+from cluster.ops.ray_driver import ray_node_env
 from cluster.k8s.render_settings import (  # noqa: F401  (the overlay settings and checks are part of this interface)
     NodeGroup, RenderSettings, k8s_config_errors, load_settings, placement_errors,
 )

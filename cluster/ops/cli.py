@@ -22,9 +22,8 @@ from cluster.autoscale.ray_policy import AutoscaleRecords
 from cluster.config import ConfigError, load_config
 from cluster.k8s.render import main as render_main
 from cluster.ops.models import prepare_all
-from cluster.ops.placement import (
-    driver_log_levels, gcs_listening, node_summary, ray_attach_env, ray_attach_kwargs, read_ray_address, replica_nodes,
-)
+from cluster.ops.placement import node_summary, replica_nodes
+from cluster.ops.ray_driver import driver_log_levels, gcs_listening, ray_attach_env, ray_attach_kwargs, read_ray_address
 from cluster.ops.up import cmd_up
 from cluster.routing.route import explain_choices, pool_views
 from cluster.speculation import WORKLOAD_CLASSES

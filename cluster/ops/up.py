@@ -20,9 +20,9 @@ from cluster.ops.local_nodes import LocalNodes
 from cluster.ops.models import prepare_all
 from cluster.ops.placement import (
     app_builder,
-    GRPC_SERVICER_FUNCTIONS, driver_log_levels, grpc_message_options, grpc_reflection, local_ray_env,
-    placement_problems, ray_address_file, ray_address_record, ray_init_kwargs, used_drafters,
+    GRPC_SERVICER_FUNCTIONS, grpc_message_options, grpc_reflection, placement_problems, used_drafters,
 )
+from cluster.ops.ray_driver import driver_log_levels, local_ray_env, ray_address_file, ray_address_record, ray_init_kwargs
 from cluster.routing.deadline import proxy_timeout_s
 from cluster.state.redis_server import ensure_local_redis
 from cluster.tls import GrpcTlsForwarder, TlsConfigError, grpc_server_credentials, http_tls_options
@@ -37,7 +37,7 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
     `verbose`: the workers' output (engines, Serve) in this terminal too, not only in the log directory."""
     config = load_config(config_path)  # 1. fail fast on a bad config
     if not config.ray.address:
-        # Before `import ray`, which reads the loopback switch among these (placement.RAY_LOOPBACK_ENV).
+        # Before `import ray`, which reads the loopback switch among these (ray_driver.RAY_LOOPBACK_ENV).
         # Read by the workers the raylet starts too: the gRPC proxy's message-size bound (a joined
         # cluster's nodes must have it in their own environment, as the rendered manifests do).
         os.environ.update(local_ray_env(config))
@@ -151,7 +151,7 @@ def init_ray(init, shutdown, kwargs: dict, retry: bool, pause_s: float = NODE_RE
 
 
 def _record_ray_address(config, gcs_address) -> None:
-    """Write the local Ray's GCS address where `specserve status --config` finds it (placement.ray_address_file)."""
+    """Write the local Ray's GCS address where `specserve status --config` finds it (ray_driver.ray_address_file)."""
     if not gcs_address:
         return
     path = ray_address_file(config)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from cluster.autoscale.ray_policy import AutoscaleRecords
+from cluster.client_wire import ClientError
 from cluster.config import ConfigError, load_config
 from cluster.k8s.render import main as render_main
 from cluster.ops.models import prepare_all
@@ -35,7 +36,7 @@ DEFAULT_URL = os.environ.get("SPECSERVE_URL", "http://127.0.0.1:8000")
 # -- generate / status ----------------------------------------------------------------------------
 
 def cmd_generate(args) -> int:
-    from cluster.client import ClientError, SpecServeClient
+    from cluster.client import SpecServeClient
 
     client = SpecServeClient(args.url)
     spec = None

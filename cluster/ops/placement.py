@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from cluster.config import ClusterConfig, RedisConfig, DrafterDeploymentConfig, PoolConfig
-from cluster.config_sections import RAY_BUILTIN_RESOURCES
+from cluster.config_base import RAY_BUILTIN_RESOURCES
 from cluster.engine.sampling_fix import ENV as SAMPLING_FIX_ENV
 
 # Registered through cluster.api.grpc_ingress so that undecodable bodies become INVALID_ARGUMENT.

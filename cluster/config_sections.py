@@ -1,39 +1,19 @@
 """The cluster config's service sections (router, Redis, TLS, auth, size limits, API ports, Ray): strict
-pydantic models that `cluster.config.ClusterConfig` assembles with the models and pools."""
+pydantic models that `cluster.config.ClusterConfig` assembles with the models and pools. What every section
+is built on is `cluster.config_base`; a pool's SuffixDecoding section is `cluster.config_suffix`."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import Literal, Optional
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from cluster.speculation import WORKLOAD_CLASSES, SpecMode
-
-
-class Strict(BaseModel):
-    """A config section: unknown fields are an error."""
-
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-
-RAY_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
-
-
-def _custom_resources(v: dict[str, float]) -> dict[str, float]:
-    for res, amount in v.items():
-        if res in RAY_BUILTIN_RESOURCES or res.startswith("node:"):
-            raise ValueError(f"{res!r} is Ray's own resource; name a custom one (e.g. specserve_target)")
-        if not res or len(res) > 64 or not all(c.isalnum() or c in "_-" for c in res):
-            raise ValueError(f"resource name {res[:64]!r} must be 1-64 letters, digits, '_' or '-'")
-        if not 0 < amount <= 1e6:
-            raise ValueError(f"resource {res!r} must be within (0, 1e6], got {amount}")
-    return v
-
-
-# Custom Ray resources (a node's, or what a replica asks of one); an error names the field it is in.
-CustomResources = Annotated[dict[str, float], AfterValidator(_custom_resources)]
+from cluster.config_base import CustomResources, Strict
+# cluster.config takes the pools' suffix section and the class-table checks from here with the sections.
+from cluster.config_suffix import SuffixConfig, check_prior_alpha, check_prior_draft_rate  # noqa: F401
+from cluster.speculation import SpecMode
 
 
 class TeachingConfig(Strict):
@@ -354,72 +334,3 @@ class RayConfig(Strict):
         if dup:
             raise ValueError(f"nodes: names must be unique and not 'head': {dup}")
         return self
-
-
-def _check_class_table(v: dict[str, float], what: str, hi: float) -> dict[str, float]:
-    """A cold-start table: workload classes (or `*`) to a value within 0..hi."""
-    for c, x in v.items():
-        if c != "*" and c not in WORKLOAD_CLASSES:
-            raise ValueError(f"unknown workload class {c!r}; classes: {sorted(WORKLOAD_CLASSES)} or '*'")
-        if not 0.0 <= x <= hi:
-            raise ValueError(f"{c}: {what} must be within 0..{hi:g}, got {x}")
-    return v
-
-
-def check_prior_alpha(v: dict[str, float]) -> dict[str, float]:
-    """A cold-start α table: workload classes (or `*`) to α within 0..0.99."""
-    return _check_class_table(v, "α", 0.99)
-
-
-def check_prior_draft_rate(v: dict[str, float]) -> dict[str, float]:
-    """A cold-start draft-rate table: workload classes (or `*`) to the share of steps that draft, 0..1."""
-    return _check_class_table(v, "the draft rate", 1.0)
-
-
-class SuffixKnobsConfig(Strict):
-    """How far a SuffixDecoding draft may run (vLLM's `suffix_decoding_*` knobs); `SuffixConfig.solo`
-    sets them again for a step in which one request runs."""
-
-    max_spec_factor: float = Field(
-        1.0, gt=0, le=64, description="A draft is at most this times the matched length long (and at most the request's K).")
-    max_spec_offset: float = Field(
-        0.0, ge=0, le=64,
-        description="A draft may run this many tokens past max_spec_factor x the matched length (still bounded "
-                    "by min_token_prob and the request's K).")
-    min_token_prob: float = Field(
-        0.1, ge=0, le=1, description="A draft stops at a token whose estimated probability is below this.")
-
-
-class SuffixConfig(SuffixKnobsConfig):
-    """SuffixDecoding beside prompt lookup in one engine (`cluster/engine/lookup_proposer.py`): a
-    suffix tree over each prompt and over earlier requests' outputs (arctic-inference's), whose
-    drafts follow the match length. The knobs are vLLM's `suffix_decoding_*` settings."""
-
-    max_tree_depth: int = Field(24, ge=1, le=1024, description="Longest suffix matched, and depth of the trees.")
-    max_k: int = Field(
-        16, ge=1, le=16,
-        description=(
-            "Largest K of a suffix request (the pool's `max_k` bounds its n-gram requests). A suffix draft "
-            "is only as long as the match makes it likely (max_spec_factor, min_token_prob), so a deep "
-            "bound costs nothing where the match is short; vLLM's own suffix method defaults to the tree depth."))
-    max_cached_requests: int = Field(
-        10000, ge=0, description="Earlier requests whose outputs the global tree keeps (0: the prompt's tree only).")
-    solo: Optional[SuffixKnobsConfig] = Field(
-        None,
-        description=(
-            "Drafting knobs for a step whose batch holds one request (unset: the knobs above for every step). "
-            "Alone in a step, extra verified tokens cost little; beside batchmates every extra token lengthens "
-            "the step for all of them, so a setting that drafts further can pay at one stream and lose under load."))
-    auto_ngram: bool = Field(
-        True,
-        description=(
-            "Pools of method ngram: whether the auto policy may also choose n-gram lookup here (false: suffix or "
-            "none only; a request that asks for mode ngram still gets it). Where the suffix tree drafts at least "
-            "as well on every class, n-gram choices only cost exploration and cold-start mistakes."))
-    prior_alpha: Annotated[dict[str, float], AfterValidator(check_prior_alpha)] = Field(
-        default_factory=dict,
-        description="Cold-start α per workload class of suffix drafts (`*` for the rest); empty: built-in priors.")
-    prior_draft_rate: Annotated[dict[str, float], AfterValidator(check_prior_draft_rate)] = Field(
-        default_factory=dict,
-        description="Cold-start share of steps that find a suffix draft, per workload class (`*` for the rest); "
-                    "empty: every step drafts.")

@@ -1,4 +1,5 @@
-"""cluster.client against hand-built SSE text and a fake server speaking real HTTP + chunked SSE."""
+"""cluster.client and cluster.client_wire against hand-built SSE text and a fake server speaking real HTTP +
+chunked SSE."""
 
 import asyncio
 import json
@@ -9,8 +10,9 @@ try:
     from tests.bench.fake_openai import FakeServer
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     from bench.fake_openai import FakeServer
-from cluster.client import (AsyncSpecServeClient, ClientError, SpecServeClient, build_body, collect_stream, final_new_tokens,
-                            error_from_response, iter_sse_data, parse_chunk)
+from cluster.client import AsyncSpecServeClient, SpecServeClient
+from cluster.client_wire import (ClientError, build_body, collect_stream, final_new_tokens, error_from_response, iter_sse_data,
+                                 parse_chunk)
 
 
 # -- pure pieces ------------------------------------------------------------------------------------

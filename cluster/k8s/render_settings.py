@@ -1,7 +1,7 @@
 """An overlay's Kubernetes-only settings (`k8s/overlays/<name>/render.yaml`: image, node groups, pod
 sizes) and whether a cluster config can run on them: what it must say on Kubernetes, and whether its
 pools' placement-group bundles fit the node groups. Pure functions over plain data; cluster/k8s/render.py
-turns a config that passes into manifests.
+(with cluster/k8s/rayservice.py) turns a config that passes into manifests.
 """
 
 from __future__ import annotations

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Optional
 
 from cluster.autoscale.ray_policy import AutoscaleRecords
+from cluster.client_wire import ClientError
 from cluster.config import ConfigError, load_config
 from cluster.k8s.render import main as render_main
 from cluster.ops.models import prepare_all
-from cluster.ops.placement import (
-    driver_log_levels, gcs_listening, node_summary, ray_attach_env, ray_attach_kwargs, read_ray_address, replica_nodes,
-)
+from cluster.ops.placement import node_summary, replica_nodes
+from cluster.ops.ray_driver import driver_log_levels, gcs_listening, ray_attach_env, ray_attach_kwargs, read_ray_address
 from cluster.ops.up import cmd_up
 from cluster.routing.route import explain_choices, pool_views
 from cluster.speculation import WORKLOAD_CLASSES
@@ -36,7 +36,7 @@ DEFAULT_URL = os.environ.get("SPECSERVE_URL", "http://127.0.0.1:8000")
 # -- generate / status ----------------------------------------------------------------------------
 
 def cmd_generate(args) -> int:
-    from cluster.client import ClientError, SpecServeClient
+    from cluster.client import SpecServeClient
 
     client = SpecServeClient(args.url)
     spec = None

@@ -10,7 +10,7 @@ dials, so it carries both key usages; Ray's clients dial addresses, so it names 
 - A local cluster (`specserve up`): with `ray.tls.ca_cert` unset, a CA is made for this start in a
   private folder and forgotten at the next; the node certificate is signed by it. With the CA's
   certificate and key configured, the node certificate is signed by that CA.
-- Kubernetes (`cluster/k8s/render.py`): the CA comes from a Secret, and an init container of every
+- Kubernetes (`cluster/k8s/rayservice.py`): the CA comes from a Secret, and an init container of every
   Ray pod runs `python -m cluster.ops.ray_tls node-cert` to sign one for the pod's address.
 """
 

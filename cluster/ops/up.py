@@ -1,5 +1,6 @@
 """`specserve up`'s lifecycle: start Redis, Ray, the Serve application (bounded by a wait), serve until a
-signal, and stop everything it started, even when start-up fails or is interrupted."""
+signal, and stop everything it started, even when start-up fails or is interrupted (the stopping and the
+signals: cluster/ops/shutdown.py)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from cluster.ops.local_nodes import LocalNodes
 from cluster.ops.models import prepare_all
 from cluster.ops.placement import (
     app_builder,
-    GRPC_SERVICER_FUNCTIONS, driver_log_levels, grpc_message_options, grpc_reflection, local_ray_env,
-    placement_problems, ray_address_file, ray_address_record, ray_init_kwargs, used_drafters,
+    GRPC_SERVICER_FUNCTIONS, grpc_message_options, grpc_reflection, placement_problems, used_drafters,
 )
+from cluster.ops.ray_driver import driver_log_levels, local_ray_env, ray_address_file, ray_address_record, ray_init_kwargs
+from cluster.ops.shutdown import STOP_SIGNALS, hold_signals_while_stopping, interrupt_on_signals, stop_cluster
 from cluster.routing.deadline import proxy_timeout_s
 from cluster.state.redis_server import ensure_local_redis
 from cluster.tls import GrpcTlsForwarder, TlsConfigError, grpc_server_credentials, http_tls_options
@@ -37,7 +39,7 @@ def start_cluster(config_path: str, wait_s: float = 900.0, verbose: bool = False
     `verbose`: the workers' output (engines, Serve) in this terminal too, not only in the log directory."""
     config = load_config(config_path)  # 1. fail fast on a bad config
     if not config.ray.address:
-        # Before `import ray`, which reads the loopback switch among these (placement.RAY_LOOPBACK_ENV).
+        # Before `import ray`, which reads the loopback switch among these (ray_driver.RAY_LOOPBACK_ENV).
         # Read by the workers the raylet starts too: the gRPC proxy's message-size bound (a joined
         # cluster's nodes must have it in their own environment, as the rendered manifests do).
         os.environ.update(local_ray_env(config))
@@ -151,7 +153,7 @@ def init_ray(init, shutdown, kwargs: dict, retry: bool, pause_s: float = NODE_RE
 
 
 def _record_ray_address(config, gcs_address) -> None:
-    """Write the local Ray's GCS address where `specserve status --config` finds it (placement.ray_address_file)."""
+    """Write the local Ray's GCS address where `specserve status --config` finds it (ray_driver.ray_address_file)."""
     if not gcs_address:
         return
     path = ray_address_file(config)
@@ -268,79 +270,6 @@ def _wait_ready(config, wait_s: float) -> None:
             raise RuntimeError(f"application {config.name} failed: {failure_summary(app.message, causes)}")
         time.sleep(2)
     raise TimeoutError(f"application {config.name} not running after {wait_s:.0f} s")
-
-
-SERVE_SHUTDOWN_S = 60.0
-
-
-def bounded(fn, timeout_s: float, what: str) -> bool:
-    """Run `fn` in a daemon thread and wait at most `timeout_s` for it: True if it returned, False
-    (with a line on stderr) if it raised or is still running, which the caller then goes past.
-    Ray 2.60's `serve.shutdown()` can wait forever: once its controller is killed, the controller's
-    `graceful_shutdown` task is retried without end ("infinite retries remaining"), seen once in CI
-    on an interrupted start-up; `ray.shutdown()` and the reaper stop what it leaves."""
-    outcome: list[BaseException] = []
-
-    def run():
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - reported, then the caller goes on stopping
-            outcome.append(e)
-
-    t = threading.Thread(target=run, daemon=True, name=what)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        print(f"[specserve] {what} did not finish in {timeout_s:.0f} s: going on with the shutdown", file=sys.stderr)
-        return False
-    if outcome:
-        print(f"[specserve] {what} failed: {outcome[0]!r}: going on with the shutdown", file=sys.stderr)
-        return False
-    return True
-
-
-def stop_cluster(redis_handle=None, forwarder=None, nodes=None, serve_timeout_s: float = SERVE_SHUTDOWN_S) -> None:
-    import ray
-    from ray import serve
-
-    try:
-        if forwarder is not None:
-            forwarder.stop()
-        if ray.is_initialized():
-            bounded(serve.shutdown, serve_timeout_s, "serve.shutdown")
-    finally:
-        if nodes is not None:
-            nodes.stop()
-        ray.shutdown()
-        ray_tls.forget_local_pki(os.environ)
-        if redis_handle is not None:
-            redis_handle.stop()
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-def interrupt_on_signals() -> None:
-    """Make SIGINT and SIGTERM raise KeyboardInterrupt in the main thread, whatever their
-    disposition was. A process started from a shell script's background job (`specserve up &`
-    without job control, as CI runs its tests) inherits SIGINT *ignored*, and Python then leaves it
-    ignored: an interrupt during start-up did nothing, the cluster came up anyway (in CI the
-    lifecycle test's interrupt was acted on only once `up` had installed its serving-time handler,
-    3 minutes later). SIGTERM is handled the same way so a start-up stopped by a process
-    manager also stops what it started (its default would kill `up` and leave Redis running)."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, _raise_interrupt)
-
-
-def hold_signals_while_stopping() -> None:
-    """A second Ctrl-C while stopping must not cut the stop short (and leave Redis or engines
-    running): say so and go on."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, lambda *_: print("[specserve] already stopping", file=sys.stderr))
 
 
 def _pinner(config, every_s: float = 5.0):

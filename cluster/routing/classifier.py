@@ -50,6 +50,8 @@ With ``messages``, the last user message is classified; if it comes out qa/chat/
 system message carries a context marker, or a tool/function message is present (retrieval
 results), the class is rag.
 
+The word sets, phrases and regexes the rules match are ``cluster.routing.classifier_vocab``'s.
+
 Spec-Bench categories map to classes in ``cluster.routing.classifier_eval.SPEC_BENCH_TO_CLASS`` (justified there);
 ``python -m cluster.routing.classifier_eval /work/shared/data/specbench-dev.jsonl`` prints its ``evaluate``'s report.
 """
@@ -60,6 +62,15 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from cluster.routing.classifier_vocab import (
+    CODE_LINE, CODE_NOUNS, CODE_PHRASES, CODE_SUBSTRINGS, CODE_TASK, CODE_TASK_NOUNS, CODE_VERBS, CONTEXT_LINE,
+    CONTEXT_PHRASE, CONTEXT_PHRASE_LEADS, CREATIVE, CREATIVE_NOUN_SET, CREATIVE_STYLE, CREATIVE_VERBS,
+    CURRENCY_OR_PERCENT, EXTRACT_VERB, EXTRACT_WORDS, FORMAT_PHRASES, FORMAT_WORDS, GREETING_STARTS, HYPOTHETICAL,
+    HYPOTHETICAL_STARTS, IMAGINE_ROLE, LANGS, LEAD_INS, MATH_EXPRS, MATH_QUANTITY, MATH_QUANTITY_PHRASES,
+    MATH_STRONG, NUMBER, NUMBER_WORDS, PERSONA_PHRASES, PROG_LANGS, QA_STARTS, QUESTION_STARTS, QUOTED_FOREIGN,
+    REASONING_PHRASES, REASONING_WORDS, SAY_VERBS, SOURCE_LEADS, SOURCE_NOUNS, SOURCE_REF, SUMMARIZE_VERB,
+    SUMMARIZE_WORDS, SUMMARY_NOUN, TRANSLATE_VERB, WORD,
+)
 from cluster.speculation import WORKLOAD_CLASSES
 
 SHORT_CHARS = 800  # a prompt up to this long is all instruction
@@ -69,147 +80,6 @@ INSTR_CHARS = 300  # instruction lines of a long prompt are cut to this
 SOURCE_MIN_CHARS = 400  # a prompt this long carries its own source
 RAG_MIN_CHARS = 1000  # a passage this long followed by a question is retrieval-augmented QA
 DEFAULT_CLASS = "chat"
-
-# --- vocabulary and regexes (compiled once; all matched against lower-cased text) ---------------
-# Cost model: Python's `re` tries an alternation at every position, so a keyword regex over a
-# 2 KB view costs ~100 us. Rules therefore test word sets and space-padded phrases first
-# (microseconds) and run a regex only when its words are present.
-_WORD = re.compile(r"[a-z0-9]+")
-_LANGS = frozenset(
-    "english french german spanish italian portuguese dutch russian chinese mandarin cantonese "
-    "japanese korean arabic hindi bengali urdu turkish polish swedish norwegian danish finnish "
-    "greek hebrew vietnamese thai indonesian malay persian farsi czech romanian hungarian "
-    "ukrainian latin swahili tagalog".split()
-)
-_SAY_VERBS = tuple(f" {w} " for w in "say express render put rewrite convert turn".split())
-_QUOTED_FOREIGN = re.compile(
-    r"[\"“「『«']\s*[\u0370-\u03ff\u0400-\u04ff\u0590-\u06ff\u0900-\u0dff"
-    r"\u0e00-\u0eff\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af]"
-)
-# An imperative verb counts at a line/sentence start or after one of these lead-ins.
-_LEAD_INS = tuple(" " + w for w in ("please", "kindly", "can you", "could you", "would you", "will you",
-                                     "help me", "you to", "now", "then", "and", "also"))
-_TRANSLATE_VERB = re.compile(r"translat(?:e\b|ion (?:of|into|to|from)\b)")
-_SUMMARIZE_WORDS = frozenset("summarize summarise summary summarization tl tldr recap condense shorten "
-                             "synopsis gist sum boil abstract".split())
-_SUMMARIZE_VERB = re.compile(r"(?:summari[sz]e|sum (?:it |this |that )?up|recap|condense|shorten|boil down)\b")
-_SUMMARY_NOUN = re.compile(
-    r"\b(?:give|write|provide|make|produce|create|generate)\b[^.?!\n]{0,30}"
-    r"\b(?:summary|synopsis|abstract|recap|tl;?dr|gist)\b|\btl;?\s?dr\b"
-)
-_SOURCE_LEADS = frozenset("following given presented above below provided attached enclosed pasted this these".split())
-_SOURCE_NOUNS = frozenset(
-    "text texts article articles passage passages paragraph paragraphs sentence sentences review "
-    "reviews document documents email emails data record records report reports transcript "
-    "transcripts story stories excerpt excerpts content information statement statements list "
-    "table news message messages conversation conversations dialogue comments comment tweet tweets "
-    "post posts description descriptions essay essays letter letters snippet snippets poem poems "
-    "abstract abstracts notes paper chapter code script program function snippet log logs output".split()
-)
-_SOURCE_REF = re.compile(
-    r"\b(?:following|given|presented|above|below|provided|attached|enclosed|pasted|this|these)\s+"
-    r"(?:[\w-]+\s+){0,2}?(?:" + "|".join(sorted(_SOURCE_NOUNS)) + r")\b"
-)
-_CONTEXT_LINE = re.compile(  # search "\n" + text: a literal first character makes `re` fast
-    r"\n[ \t]*(?:context|document|documents|passage|source|sources|background|references?|"
-    r"search results?|retrieved(?: \w+)?|knowledge)[ \t]*(?:\[\d+\])?[ \t]*:"
-)
-_CONTEXT_PHRASE_LEADS = ("based on ", "according to ", "using the ", "given the ", "answer the question")
-_CONTEXT_PHRASE = re.compile(
-    r"\b(?:based on|according to|using|given) (?:only )?(?:the|this|these) (?:above |following |"
-    r"provided |given |retrieved )?(?:context|passages?|documents?|articles?|text|sources|search "
-    r"results|information)\b|\banswer the questions? (?:based on|using|from|about)"
-)
-_CODE_SUBSTRINGS = ("```", "#include", "console.log(", "print(", "System.out.", "=> {", "=>{", "){", ") {")
-_CODE_LINE = re.compile(  # case-sensitive, on the original view: a line that starts like code
-    r"\n[ \t]*(?:def \w+\s*\(|class \w+\s*[:(]|import \w+|from [\w.]+ import |public (?:static |class )|"
-    r"function\s*\w*\s*\(|(?:const|let|var) \w+\s*=|SELECT [\w*]|CREATE TABLE )"
-)
-_CODE_VERBS = frozenset("write implement develop create code build debug fix refactor optimize optimise "
-                        "complete port convert".split())
-_CODE_TASK_NOUNS = frozenset("function functions program algorithm code snippet api endpoint query "
-                             "website webpage page regex module cli method class".split())
-_CODE_TASK = re.compile(
-    r"\b(?:" + "|".join(sorted(_CODE_VERBS)) + r")\b[^.?!\n]{0,60}\b(?:function|program|class|method|"
-    r"algorithm|code|snippet|api|endpoint|query|website|web ?page|web app|unit tests?|regex|"
-    r"data structure|module|cli)\b"
-)
-_PROG_LANGS = frozenset("python javascript typescript java golang rust kotlin swift php ruby scala haskell "
-                        "perl matlab sql html css bash powershell numpy pandas react django flask".split())
-_CODE_NOUNS = frozenset("program code script function class method snippet query website webpage syntax "
-                        "compiler compile error bug library module implementation".split())
-_CODE_PHRASES = (" time complexity ", " space complexity ", " big o ", " o 1 ", " o n ", " o log n ", " o n log n ",
-                 " o n 2 ", " linked list ",
-                 " binary tree ", " binary search tree ", " hash map ", " hashmap ", " hash table ",
-                 " stack trace ", " traceback ", " segfault ", " syntax error ", " compile error ",
-                 " recursive function ", " unit test ", " unit tests ", " pull request ", " git commit ")
-_EXTRACT_WORDS = frozenset("extract identify list find pull parse classify categorize categorise label tag "
-                           "rate score evaluate count detect determine pick select sort rank annotate".split())
-_EXTRACT_VERB = re.compile(
-    r"(?:extract|identify|list|find|pull out|parse|classify|categori[sz]e|label|tag|rate|score|"
-    r"evaluate|count|detect|determine|pick out|select|sort|rank|annotate)\b"
-)
-_FORMAT_WORDS = frozenset("json jsonl yaml xml csv toml schema tabular".split())
-_FORMAT_PHRASES = (" in a table ", " as a table ", " in table ", " markdown table ", " key value pair",
-                   " structured output ", " structured data ", " structured format ")
-_QUESTION_STARTS = frozenset("who whom whose what when where which why how is are was were do does did can "
-                             "could should will would has have question q".split())
-_PERSONA_PHRASES = (" act as ", " acting as ", " behave as ", " pretend to be ", " pretend you are ",
-                    " pretend you re ", " pretend that you ", " pretend yourself ", " assume the role ",
-                    " play the role ", " take on the role ", " adopt the persona ", " the persona of ",
-                    " role play ", " roleplay ", " speak like ", " talk like ", " respond as if ",
-                    " answer as if ", " stay in character ", " from now on you ")
-_IMAGINE_ROLE = re.compile(r" imagine (?:yourself|you are|you re) (?:as )?(?:a|an|the) (?!\w+ing )\w+")
-_GREETING_STARTS = (" hi ", " hello ", " hey ", " yo ", " greetings ", " good morning ", " good afternoon ",
-                    " good evening ", " how are you ", " how s it going ", " what s up ", " thanks ", " thank you ")
-_CREATIVE_VERBS = frozenset("write compose draft create craft construct generate come brainstorm propose "
-                            "suggest pen produce invent make develop design".split())
-_CREATIVE_NOUNS = (
-    "poem|poems|poetry|haiku|limerick|sonnet|verse|verses|lyrics|song|songs|rap|story|stories|tale|"
-    "tales|fable|novel|chapter|screenplay|script|play|scene|dialogue|monologue|essay|blog|article|"
-    "op-ed|speech|toast|eulogy|letter|email|e-mail|tweet|tweets|caption|slogan|slogans|tagline|"
-    "taglines|headline|headlines|title|titles|name|names|jingle|advertisement|ad|pitch|bio|joke|"
-    "jokes|character|characters|plot|outline|invitation|announcement"
-)
-_CREATIVE_NOUN_SET = frozenset(_CREATIVE_NOUNS.split("|"))
-_CREATIVE = re.compile(
-    r"\b(?:write|compose|draft|create|craft|construct|generate|come up with|brainstorm|propose|suggest|"
-    r"pen|produce|invent|make up|develop|design)\b[^.?!\n]{0,80}\b(?:" + _CREATIVE_NOUNS + r")\b"
-)
-_CREATIVE_STYLE = frozenset("vivid imaginative creative fictional fictitious whimsical poetic imagery "
-                            "rhyming rhymes catchy".split())
-_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
-# Math expressions, each behind the characters it needs (a regex opening with [a-z] is slow).
-_MATH_EXPRS = (
-    ("0123456789", re.compile(r"\d\s*[+*/×÷^=<>≤≥]\s*[-\d(a-z]|\d\s+-\s+\d")),  # 3 + 4, 2x = 6, 1/2
-    ("^=<>≤≥", re.compile(r"\b[a-z]\s*[\^=<>≤≥]\s*-?\d")),  # x^2, y = 3, x < 10
-    ("|", re.compile(r"\|[^|\n]{1,20}\|")),  # |x + 5|
-    ("\\", re.compile(r"\\(?:frac|sqrt|int|sum|cdot|times|pi|leq?|geq?)\b")),  # LaTeX
-    ("(", re.compile(r"\b(?:sin|cos|tan|log|ln|sqrt|exp)\s*\(")),  # f(x) notation
-)
-_NUMBER_WORDS = frozenset("two three four five six seven eight nine ten eleven twelve twenty thirty forty "
-                          "fifty hundred thousand half twice double triple thrice dozen".split())
-_MATH_STRONG = frozenset("equation equations inequality inequalities polynomial polynomials integral "
-                         "integrals integrate derivative derivatives differentiate probability theorem "
-                         "matrix matrices eigenvalue eigenvalues eigenvector logarithm quadratic arithmetic "
-                         "factorial modulo calculus".split())
-_MATH_QUANTITY = frozenset("calculate compute solve simplify evaluate percent percentage average total "
-                           "altogether each".split())
-_MATH_QUANTITY_PHRASES = (" how many ", " how much ", " how long ", " how far ", " how old ", " how fast ",
-                          " what is the ", " what was the ", " per hour ", " per minute ", " per day ",
-                          " per week ", " per month ", " per year ", " per unit ", " per person ")
-_CURRENCY_OR_PERCENT = re.compile(r"[$€£]\s*\d|\d\s*%")
-_REASONING_WORDS = frozenset("riddle puzzle puzzles brainteaser logic logical paradox syllogism deduce "
-                             "deduction".split())
-_REASONING_PHRASES = (" explain your reasoning ", " explain your answer ", " explain your thinking ",
-                      " explain your logic ", " reasoning steps ", " step by step ", " think through ",
-                      " think it through ", " what could be the reason", " true or false ",
-                      " is it possible that ", " is it possible to ", " what comes next ",
-                      " next in the sequence ", " brain teaser ")
-_HYPOTHETICAL_STARTS = ("imagine", "suppose", "assume", "consider", "let's say", "if you")
-_HYPOTHETICAL = re.compile(r"[.!?\n]\s*(?:imagine|suppose|assume|consider|let's say|if you)\b")
-_QA_STARTS = _QUESTION_STARTS | frozenset("define explain describe discuss compare contrast outline elaborate "
-                                          "tell give provide name list summarize summarise".split())
 
 
 @dataclass(frozen=True)
@@ -230,9 +100,9 @@ class _View:
 
     @property
     def has_source(self) -> bool:
-        if self.length >= SOURCE_MIN_CHARS or "```" in self.view or _CONTEXT_LINE.search("\n" + self.view):
+        if self.length >= SOURCE_MIN_CHARS or "```" in self.view or CONTEXT_LINE.search("\n" + self.view):
             return True
-        return bool(self.words & _SOURCE_LEADS and self.words & _SOURCE_NOUNS and _SOURCE_REF.search(self.instr))
+        return bool(self.words & SOURCE_LEADS and self.words & SOURCE_NOUNS and SOURCE_REF.search(self.instr))
 
 
 def _make_view(text: str) -> _View:
@@ -250,7 +120,7 @@ def _make_view(text: str) -> _View:
         tail_line = (tail[k + 1 :] if k >= 0 else tail)[-INSTR_CHARS:].strip().lower()
         instr = (head_line + "\n" + tail_line).lower()
         raw = head + "\n" + tail
-    words = _WORD.findall(instr)
+    words = WORD.findall(instr)
     return _View(instr=instr, raw_view=raw, view=raw.lower() if n > SHORT_CHARS else instr,
                  tail_line=tail_line, words=frozenset(words), phrase=" " + " ".join(words) + " ", length=n)
 
@@ -259,112 +129,112 @@ def _imperative(s: str, verb: re.Pattern) -> bool:
     """True if ``verb`` occurs in ``s`` at a line/sentence start or right after a lead-in."""
     for m in verb.finditer(s):
         before = s[max(0, m.start() - 16) : m.start()].rstrip(" \t*-#>")
-        if not before or before[-1] in "\n.!?:;\"“(" or (" " + before).endswith(_LEAD_INS):
+        if not before or before[-1] in "\n.!?:;\"“(" or (" " + before).endswith(LEAD_INS):
             return True
     return False
 
 
 # --- the rules (see the module docstring for their order) -------------------------------------
 def _is_translation(v: _View) -> bool:
-    if "translat" in v.instr and _imperative(v.instr, _TRANSLATE_VERB):
+    if "translat" in v.instr and _imperative(v.instr, TRANSLATE_VERB):
         return True
-    langs = v.words & _LANGS
+    langs = v.words & LANGS
     if not langs:
         return False
     p = v.phrase
     for lang in langs:
         for lead in (" to ", " into "):  # "german to english"
             i = p.find(f" {lang}{lead}")
-            if i >= 0 and p[i + len(lang) + len(lead) + 1 :].split(" ", 1)[0] in _LANGS:
+            if i >= 0 and p[i + len(lang) + len(lead) + 1 :].split(" ", 1)[0] in LANGS:
                 return True
         if f" mean in {lang} " in p or f" means in {lang} " in p:  # "what does ... mean in english"
             return True
         for lead in (" in ", " into "):  # "say ... in french", "rewrite it into spanish"
             i = p.find(f"{lead}{lang} ")
-            if i >= 0 and any(verb in p[max(0, i - 60) : i + 1] for verb in _SAY_VERBS):
+            if i >= 0 and any(verb in p[max(0, i - 60) : i + 1] for verb in SAY_VERBS):
                 return True
-    return not v.long and bool(_QUOTED_FOREIGN.search(v.instr))
+    return not v.long and bool(QUOTED_FOREIGN.search(v.instr))
 
 
 def _is_summarization(v: _View) -> bool:
-    if not v.words & _SUMMARIZE_WORDS or not v.has_source:
+    if not v.words & SUMMARIZE_WORDS or not v.has_source:
         return False
-    return _imperative(v.instr, _SUMMARIZE_VERB) or bool(_SUMMARY_NOUN.search(v.instr))
+    return _imperative(v.instr, SUMMARIZE_VERB) or bool(SUMMARY_NOUN.search(v.instr))
 
 
 def _is_code(v: _View) -> bool:
-    if any(t in v.raw_view for t in _CODE_SUBSTRINGS) or _CODE_LINE.search("\n" + v.raw_view):
+    if any(t in v.raw_view for t in CODE_SUBSTRINGS) or CODE_LINE.search("\n" + v.raw_view):
         return True
-    if v.words & _CODE_VERBS and v.words & _CODE_TASK_NOUNS and _CODE_TASK.search(v.instr):
+    if v.words & CODE_VERBS and v.words & CODE_TASK_NOUNS and CODE_TASK.search(v.instr):
         return True
-    if any(p in v.phrase for p in _CODE_PHRASES):
+    if any(p in v.phrase for p in CODE_PHRASES):
         return True
-    return bool(v.words & _PROG_LANGS or "c++" in v.instr or "c#" in v.instr) and bool(v.words & _CODE_NOUNS)
+    return bool(v.words & PROG_LANGS or "c++" in v.instr or "c#" in v.instr) and bool(v.words & CODE_NOUNS)
 
 
 def _is_extraction(v: _View) -> bool:
     if " named entities " in v.phrase or " key value pair" in v.phrase:
         return v.has_source
-    return bool(v.words & _EXTRACT_WORDS) and v.has_source and _imperative(v.instr, _EXTRACT_VERB)
+    return bool(v.words & EXTRACT_WORDS) and v.has_source and _imperative(v.instr, EXTRACT_VERB)
 
 
 def _is_structured(v: _View) -> bool:
-    return bool(v.words & _FORMAT_WORDS) or any(p in v.phrase for p in _FORMAT_PHRASES)
+    return bool(v.words & FORMAT_WORDS) or any(p in v.phrase for p in FORMAT_PHRASES)
 
 
 def _has_context_marker(s: str) -> bool:
-    if _CONTEXT_LINE.search("\n" + s):
+    if CONTEXT_LINE.search("\n" + s):
         return True
-    return any(p in s for p in _CONTEXT_PHRASE_LEADS) and bool(_CONTEXT_PHRASE.search(s))
+    return any(p in s for p in CONTEXT_PHRASE_LEADS) and bool(CONTEXT_PHRASE.search(s))
 
 
 def _is_rag(v: _View) -> bool:
-    if (_CONTEXT_LINE.search("\n" + v.view) and "?" in v.view) or (_has_context_marker(v.instr) and (v.long or "?" in v.instr)):
+    if (CONTEXT_LINE.search("\n" + v.view) and "?" in v.view) or (_has_context_marker(v.instr) and (v.long or "?" in v.instr)):
         return True
     if v.length < RAG_MIN_CHARS or len(v.tail_line) > INSTR_CHARS:
         return False
-    first = _WORD.match(v.tail_line)
-    return v.tail_line.endswith("?") or bool(first and first.group() in _QUESTION_STARTS)
+    first = WORD.match(v.tail_line)
+    return v.tail_line.endswith("?") or bool(first and first.group() in QUESTION_STARTS)
 
 
 def _is_chat(v: _View) -> bool:
-    if any(p in v.phrase for p in _PERSONA_PHRASES) or v.phrase.startswith(_GREETING_STARTS):
+    if any(p in v.phrase for p in PERSONA_PHRASES) or v.phrase.startswith(GREETING_STARTS):
         return True
-    return "imagine" in v.words and bool(_IMAGINE_ROLE.search(v.phrase))
+    return "imagine" in v.words and bool(IMAGINE_ROLE.search(v.phrase))
 
 
 def _is_creative(v: _View) -> bool:
-    if v.words & _CREATIVE_STYLE or " in the style of " in v.phrase:
+    if v.words & CREATIVE_STYLE or " in the style of " in v.phrase:
         return True
-    return bool(v.words & _CREATIVE_VERBS and v.words & _CREATIVE_NOUN_SET and _CREATIVE.search(v.instr))
+    return bool(v.words & CREATIVE_VERBS and v.words & CREATIVE_NOUN_SET and CREATIVE.search(v.instr))
 
 
 def _is_math(v: _View) -> bool:
-    for chars, expr in _MATH_EXPRS:
+    for chars, expr in MATH_EXPRS:
         if any(c in v.instr for c in chars) and expr.search(v.instr):
             return True
-    strong = v.words & _MATH_STRONG
+    strong = v.words & MATH_STRONG
     if strong and not (strong == {"equation"} and " chemical equation " in v.phrase) or " prove that " in v.phrase:
         return True
-    numbers = len(_NUMBER.findall(v.instr)) + len(v.words & _NUMBER_WORDS)
+    numbers = len(NUMBER.findall(v.instr)) + len(v.words & NUMBER_WORDS)
     if numbers >= 3 and "?" in v.instr:
         return True
     return numbers >= 2 and bool(
-        v.words & _MATH_QUANTITY or any(p in v.phrase for p in _MATH_QUANTITY_PHRASES)
-        or _CURRENCY_OR_PERCENT.search(v.instr)
+        v.words & MATH_QUANTITY or any(p in v.phrase for p in MATH_QUANTITY_PHRASES)
+        or CURRENCY_OR_PERCENT.search(v.instr)
     )
 
 
 def _is_reasoning(v: _View) -> bool:
-    if v.words & _REASONING_WORDS or any(p in v.phrase for p in _REASONING_PHRASES):
+    if v.words & REASONING_WORDS or any(p in v.phrase for p in REASONING_PHRASES):
         return True
-    return "?" in v.instr and (v.instr.startswith(_HYPOTHETICAL_STARTS) or bool(_HYPOTHETICAL.search(v.instr)))
+    return "?" in v.instr and (v.instr.startswith(HYPOTHETICAL_STARTS) or bool(HYPOTHETICAL.search(v.instr)))
 
 
 def _is_qa(v: _View) -> bool:
     s = v.tail_line if v.long else v.instr
-    first = _WORD.match(s)
-    return "?" in s or bool(first and first.group() in _QA_STARTS) or " in the field of " in v.phrase[:20]
+    first = WORD.match(s)
+    return "?" in s or bool(first and first.group() in QA_STARTS) or " in the field of " in v.phrase[:20]
 
 
 def _is_long_passage(v: _View) -> bool:

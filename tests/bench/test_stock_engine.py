@@ -14,7 +14,8 @@ import pytest
 from tools.bench import anchors as A
 from tools.bench.runner import Job, Runner
 from tools.bench.workload import Prompt
-from cluster.client import AsyncSpecServeClient, iter_sse_data
+from cluster.client import AsyncSpecServeClient
+from cluster.client_wire import iter_sse_data
 from cluster.config import load_config
 from tests.paths import LOCAL_CPU
 

@@ -12,7 +12,8 @@ import grpc
 import pytest
 
 from cluster.config import parse_config
-from cluster.ops.placement import GRPC_MAX_MESSAGE_ENV, grpc_message_options, ray_node_env
+from cluster.ops.placement import grpc_message_options
+from cluster.ops.ray_driver import GRPC_MAX_MESSAGE_ENV, ray_node_env
 from cluster.tls import GrpcTlsForwarder, grpc_channel_credentials, grpc_server_credentials, make_test_ca_and_cert
 from tests.k8s.k8s_checks import ROOT
 from tests.paths import LOCAL_CPU

@@ -13,7 +13,8 @@ import yaml
 from cluster.config import ConfigError, load_config, parse_config
 from cluster.config_sections import LocalNodeConfig
 from cluster.ops.local_nodes import LocalNodes
-from cluster.ops.placement import placement_problems, ray_init_kwargs, router_deployment_options
+from cluster.ops.placement import placement_problems, router_deployment_options
+from cluster.ops.ray_driver import ray_init_kwargs
 from tests.paths import CONFIGS, LOCAL_CPU
 
 MULTINODE = CONFIGS / "local-multinode.yaml"

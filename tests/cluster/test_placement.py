@@ -1,4 +1,4 @@
-"""How `specserve up` starts or joins Ray (cluster.ops.placement.ray_init_kwargs): a local Ray binds to
+"""How `specserve up` starts or joins Ray (cluster.ops.ray_driver.ray_init_kwargs): a local Ray binds to
 loopback unless the config says otherwise; joining a cluster passes no local-only argument."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cluster.config import load_config, parse_config
-from cluster.ops.placement import (
+from cluster.ops.ray_driver import (
     RAY_LOOPBACK_ENV, driver_log_levels, local_ray_env, ray_attach_env, ray_attach_kwargs, ray_init_kwargs,
 )
 from tests.paths import LOCAL_CPU
@@ -53,7 +53,7 @@ def test_loopback_needs_rays_switch_and_only_a_loopback_address_sets_it():
 _LISTENERS = """
 import json, psutil, ray
 from cluster.config import load_config
-from cluster.ops.placement import ray_init_kwargs
+from cluster.ops.ray_driver import ray_init_kwargs
 ctx = ray.init(**ray_init_kwargs(load_config(%r), pythonpath="."))
 pids = {p.pid for p in psutil.Process().children(recursive=True)} | {psutil.Process().pid}
 ips = sorted({c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.pid in pids})
@@ -115,7 +115,7 @@ def test_a_client_attaches_with_the_loopback_switch_only_to_a_loopback_ray():
 def test_status_attaches_to_the_cluster_up_recorded_for_its_config(tmp_path, monkeypatch):
     """`specserve up` records its local Ray's GCS address and auth mode per config (name and HTTP
     port); `specserve status --config` attaches there, not to whichever Ray on the machine is newest."""
-    from cluster.ops.placement import RAY_AUTH_MODE_ENV, ray_address_file, ray_address_record, read_ray_address
+    from cluster.ops.ray_driver import RAY_AUTH_MODE_ENV, ray_address_file, ray_address_record, read_ray_address
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     local = load_config(LOCAL_CPU)
@@ -147,7 +147,7 @@ def test_a_record_whose_gcs_does_not_listen_is_stale():
     listens at its GCS address) and attaches through Ray's "auto" instead of waiting it out."""
     import socket
 
-    from cluster.ops.placement import gcs_listening
+    from cluster.ops.ray_driver import gcs_listening
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))

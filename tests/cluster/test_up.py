@@ -1,6 +1,6 @@
-"""`cluster.ops.up`: a shutdown step that hangs or raises does not stop the rest of the shutdown (Ray's
-`serve.shutdown()` once waited forever on a killed controller in CI); start-up is quiet unless
---verbose; signals during start-up stop it."""
+"""`cluster.ops.up` and `cluster.ops.shutdown`: a shutdown step that hangs or raises does not stop the rest
+of the shutdown (Ray's `serve.shutdown()` once waited forever on a killed controller in CI); start-up is
+quiet unless --verbose; signals during start-up stop it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from cluster.ops.up import bounded, init_ray, local_drafter_secret, logs_line
+from cluster.ops.shutdown import bounded
+from cluster.ops.up import init_ray, local_drafter_secret, logs_line
 from tests.paths import LOCAL_CPU
 
 
@@ -145,7 +146,7 @@ def test_up_docstring_examples_hold():
 
 _PROBE = r"""
 import os, signal, sys, time
-from cluster.ops.up import hold_signals_while_stopping, interrupt_on_signals
+from cluster.ops.shutdown import hold_signals_while_stopping, interrupt_on_signals
 print("inherited", signal.getsignal(signal.SIGINT) is signal.SIG_IGN, flush=True)
 {setup}
 try:

@@ -328,7 +328,8 @@ def test_under_load_streamed_tokens_come_in_chunks_that_follow_the_batch(cluster
 
     The batch is held by plain streams started first (`held_batch`), as in the batch-bound test:
     streams sent at once do not reliably run together."""
-    from cluster.client import AsyncSpecServeClient, collect_stream
+    from cluster.client import AsyncSpecServeClient
+    from cluster.client_wire import collect_stream
 
     kwargs = dict(prompt="Write a long story about a lighthouse keeper.", max_tokens=48, temperature=0.0,
                   speculative={"mode": "none"}, extra={"ignore_eos": True})

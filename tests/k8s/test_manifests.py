@@ -14,7 +14,8 @@ import yaml
 from cluster.config import ConfigError, load_config, parse_config
 from cluster.routing.deadline import proxy_timeout_s
 from cluster.ops.placement import drafter_deployment_options, engine_deployment_options, used_drafters
-from cluster.k8s.render import RUN_AS_UID, effective_config, load_settings, main
+from cluster.k8s.rayservice import RUN_AS_UID
+from cluster.k8s.render import effective_config, load_settings, main
 from tests.k8s.k8s_checks import K8S, OVERLAYS, ROOT, read_docs, schema_errors, serve_strict_errors
 
 

@@ -1,4 +1,5 @@
-"""Pure pieces of cluster/k8s/render.py: merging, Kubernetes checks, placement, Serve config, kustomize subset."""
+"""Pure pieces of cluster/k8s/render.py and cluster/k8s/rayservice.py: merging, Kubernetes checks, placement,
+Serve config, kustomize subset."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import yaml
 
 from cluster.config import ConfigError, load_config, parse_config
 from cluster.k8s.kustomize import _new_image, build, strategic_merge
-from cluster.k8s.render import (
-    RenderSettings, _start_params, api_key_env, api_key_volume, deep_merge, drafter_secret_env, k8s_config_errors,
-    load_settings, main, placement_errors, ray_service, ray_tls_parts, serve_config,
+from cluster.k8s.rayservice import (
+    _start_params, api_key_env, api_key_volume, drafter_secret_env, ray_service, ray_tls_parts, serve_config,
 )
+from cluster.k8s.render import RenderSettings, deep_merge, k8s_config_errors, load_settings, main, placement_errors
 from tests.k8s.k8s_checks import K8S, ROOT
 from tests.paths import LOCAL_CPU
 

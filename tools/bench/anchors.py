@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 
 from tools.bench.autogroup import autogroup_note, local_autogroups
 from tools.bench.plan import ALL, AUTO, BEST, NONE, STOCK, BenchConfig, baseline_config
+from cluster.client_wire import ClientError
 from cluster.config import ClusterConfig, PoolConfig
 from cluster.ops.placement import cpu_engine_env
 from cluster.ops.models import resolve_server_args
@@ -301,7 +302,7 @@ def mem_available_gib(meminfo: str = "/proc/meminfo") -> Optional[float]:
 
 def check_served(name: str, url: str, model_id: str) -> None:
     """A --baseline-url server must answer /v1/models and serve the cluster's model (StockServerError)."""
-    from cluster.client import ClientError, SpecServeClient
+    from cluster.client import SpecServeClient
 
     try:
         with SpecServeClient(url, timeout_s=10.0) as c:

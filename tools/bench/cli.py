@@ -33,7 +33,8 @@ from tools.bench.runner import SETTLE_S
 from tools.bench.split import ALL, SPLITS, keep
 from tools.bench.workload import (DEFAULT_PROMPTS_PATH, Prompt, interleave_tasks, load_prompt_pool, load_prompts,
                                     select, select_per_repeat)
-from cluster.client import DEFAULT_URL, ClientError, SpecServeClient
+from cluster.client import DEFAULT_URL, SpecServeClient
+from cluster.client_wire import ClientError
 from cluster.config import load_config
 from cluster.ops.models import resolve_model
 from cluster.ops.placement import vllm_cpu_build

@@ -27,7 +27,8 @@ from typing import Any
 import httpx
 import yaml
 
-from cluster.ops.up import start_cluster, stop_cluster
+from cluster.ops.shutdown import stop_cluster
+from cluster.ops.up import start_cluster
 
 DEFAULT_BASE = Path(__file__).resolve().parents[2] / "cluster" / "configs" / "local-cpu.yaml"
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "cluster" / "data" / "specbench-dev.jsonl"

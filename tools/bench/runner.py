@@ -25,7 +25,8 @@ from typing import Callable, Optional
 from tools.bench.metrics import Sample
 from tools.bench.plan import BenchConfig
 from tools.bench.workload import Prompt
-from cluster.client import AsyncSpecServeClient, ClientError, collect_stream
+from cluster.client import AsyncSpecServeClient
+from cluster.client_wire import ClientError, collect_stream
 
 
 @dataclass(frozen=True)

@@ -37,9 +37,9 @@ class SpecInfo:
     mode: str = "none"
     k: int = 0
     decided_by: Optional[str] = None
-    explored: bool = False  # the policy's exploration draw chose mode and K (not its best estimate)
-    # How mode and K were chosen: admission load bucket, joined batch, and for the policy its scores
-    # (`k_scores` of the chosen pool, `hysteresis`: the incumbent K was kept over a higher score).
+    explored: bool = False  # the policy's exploration draw chose pool and mode (not its best estimate)
+    # How mode and K were chosen: `k_by` (engine: K per step up to `k`; request / default: `k`, fixed),
+    # admission load bucket, joined batch, and for the policy each candidate's score and `k_step_alpha`.
     decision: dict = field(default_factory=dict)
     workload_class: Optional[str] = None
     steps: int = 0

@@ -98,8 +98,8 @@ def test_suffix_requests_draft_from_earlier_outputs_beside_ngram_requests_in_one
     """Mode suffix is served by the n-gram pool's engine (cluster/engine/lookup_proposer.py): a
     second request whose answer repeats an earlier request's answer gets it as drafts, which prompt
     lookup cannot see; n-gram and suffix requests share the engine's batches, text unchanged.
-    The suffix trees start empty of earlier answers: what the session's other tests left there shares
-    prefixes with the first answer and spreads the tree's estimates below the batch's `min_token_prob`."""
+    The suffix trees start empty of earlier answers, so the drafts counted here come from the first
+    answer whatever the session's other tests served before."""
     first = "Write a haiku about a lighthouse keeper who counts the waves at night."
     second = "Write a haiku about a lighthouse keeper who counts the waves at night, please."
 

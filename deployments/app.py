@@ -15,7 +15,8 @@ from ray import serve
 
 from cluster.api.auth import ApiKeyStore
 from cluster.autoscale.ray_policy import AutoscaleRecords
-from cluster.config import ClusterConfig, DrafterDeploymentConfig, PoolConfig, load_config, parse_config
+from cluster.config import ClusterConfig, DrafterDeploymentConfig, load_config, parse_config
+from cluster.config_pool import PoolConfig
 from cluster.ops import logsafe, models  # by module: tests replace their functions
 from cluster.ops.metrics import RouterMetrics
 from cluster.ops.placement import (

@@ -17,7 +17,7 @@ from cluster.autoscale.policy import LatencyWindow
 from cluster.engine.coalesce import flush
 from cluster.engine.remote_proposer import public_drafter_status
 from deployments.vllm_args import engine_kwargs, speculative_config  # noqa: F401 - the replica's and tests' entry
-from cluster.config import PoolConfig
+from cluster.config_pool import PoolConfig
 from cluster.ops.cpu_pinning import restore_node_cpus
 from cluster.speculation import SpecMode
 from deployments.engine_death import EngineDead, engine_died

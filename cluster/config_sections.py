@@ -11,8 +11,6 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator, model_validator
 
 from cluster.config_base import CustomResources, Strict
-# cluster.config takes the pools' suffix section and the class-table checks from here with the sections.
-from cluster.config_suffix import SuffixConfig, check_prior_alpha, check_prior_draft_rate  # noqa: F401
 from cluster.speculation import SpecMode
 
 

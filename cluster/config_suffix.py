@@ -1,6 +1,6 @@
 """A pool's SuffixDecoding section (`suffix:`, `SuffixConfig`, with the drafting knobs it may set again
 for a step in which one request runs) and the checks of the cold-start tables keyed by workload class
-(`check_prior_alpha`, `check_prior_draft_rate`) that it and the pools use; `cluster.config.PoolConfig`
+(`check_prior_alpha`, `check_prior_draft_rate`) that it and the pools use; `cluster.config_pool.PoolConfig`
 assembles it.
 """
 

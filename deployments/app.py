@@ -15,7 +15,8 @@ from ray import serve
 
 from cluster.api.auth import ApiKeyStore
 from cluster.autoscale.ray_policy import AutoscaleRecords
-from cluster.config import ClusterConfig, DrafterDeploymentConfig, PoolConfig, load_config, parse_config
+from cluster.config import ClusterConfig, DrafterDeploymentConfig, load_config, parse_config
+from cluster.config_pool import PoolConfig
 from cluster.ops import logsafe, models  # by module: tests replace their functions
 from cluster.ops.metrics import RouterMetrics
 from cluster.ops.placement import (
@@ -23,9 +24,10 @@ from cluster.ops.placement import (
 )
 from cluster.routing.classifier import classify
 from deployments.drafter import DrafterServer
-from deployments.engine import EngineServer, engine_kwargs, start_vllm, within_startup_timeout
+from deployments.engine import EngineServer, engine_kwargs
 from deployments.engine_death import retire_process
 from deployments.engine_lane import LaneServer, lane_path, node_lane_folder
+from deployments.engine_start import start_vllm, within_startup_timeout
 from deployments.router import Router
 from deployments.router_door import DOOR_DRAIN_S, Doors
 from deployments.router_lane import Lanes

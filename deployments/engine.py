@@ -17,13 +17,12 @@ from cluster.autoscale.policy import LatencyWindow
 from cluster.engine.coalesce import flush
 from cluster.engine.remote_proposer import public_drafter_status
 from deployments.vllm_args import engine_kwargs, speculative_config  # noqa: F401 - the replica's and tests' entry
-from cluster.config import PoolConfig
-from cluster.ops.cpu_pinning import restore_node_cpus
+from cluster.config_pool import PoolConfig
 from cluster.speculation import SpecMode
 from deployments.engine_death import EngineDead, engine_died
 from deployments.engine_openai import OpenAIDoor
-from deployments.engine_types import (EngineChunk, EngineRequest, extra_args,  # noqa: F401 - re-exported
-                                      stats_from_output)
+from deployments.engine_types import (EngineChunk, EngineRequest, collect, extra_args,  # noqa: F401 - re-exported
+                                      join_chunks, stats_from_output)
 
 log = logging.getLogger("specserve.engine")
 
@@ -71,8 +70,9 @@ class EngineServer(OpenAIDoor):
         drafter_endpoint: Optional[Callable[[], Awaitable[str]]] = None,
         retire: Optional[Callable[[], Any]] = None,
     ):
-        """`engine`: a started AsyncLLM (`start_vllm`). `retire`: ends the replica's process once the
-        engine is known dead (`retire_process` for an engine this process started; None: nothing)."""
+        """`engine`: a started AsyncLLM (`deployments.engine_start.start_vllm`). `retire`: ends the
+        replica's process once the engine is known dead (`retire_process` for an engine this process
+        started; None: nothing)."""
         self.pool_name = pool_name
         self.pool = pool
         self.served_name = served_name
@@ -351,58 +351,3 @@ class EngineServer(OpenAIDoor):
 
     def __del__(self):  # Ray Serve's hook when it stops a replica
         self.shutdown()
-
-
-class EngineStartTimeout(RuntimeError):
-    """An engine replica did not prepare its model and start its engine within startup_timeout_s."""
-
-
-def start_vllm(pool_name: str, kwargs: dict[str, Any]) -> Any:
-    """vLLM's AsyncLLM for `kwargs` (blocks while it loads the model and warms up)."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    t0 = time.monotonic()
-    restore_node_cpus()  # `ray.pin_serving_cpus`: the engine's worker binds within the node's cores
-    log.info("pool %s: starting vLLM engine %s", pool_name, kwargs)
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-    log.info("pool %s: engine up in %.1f s", pool_name, time.monotonic() - t0)
-    return engine
-
-
-async def within_startup_timeout(pool_name: str, timeout_s: float, start: Callable[[], Any]) -> Any:
-    """Run the blocking `start` in a thread; past `timeout_s`, fail with EngineStartTimeout naming the
-    field (vLLM's own wait for its engine core has no bound until the model is loaded). Serve then
-    stops the replica, which takes its engine core with it, and starts another.
-
-    >>> asyncio.run(within_startup_timeout("p", 5, lambda: "engine"))
-    'engine'
-    >>> asyncio.run(within_startup_timeout("p", 0.01, lambda: time.sleep(0.5)))
-    Traceback (most recent call last):
-    ...
-    deployments.engine.EngineStartTimeout: pools.p.startup_timeout_s: the engine did not start within 0.01 s
-    """
-    try:
-        return await asyncio.wait_for(asyncio.to_thread(start), timeout=timeout_s)
-    except asyncio.TimeoutError:
-        raise EngineStartTimeout(
-            f"pools.{pool_name}.startup_timeout_s: the engine did not start within {timeout_s:g} s") from None
-
-
-async def collect(stream: AsyncIterator[EngineChunk]) -> EngineChunk:
-    """Drain a stream into one chunk (`join_chunks`)."""
-    chunks = [chunk async for chunk in stream]
-    if not chunks:
-        raise RuntimeError("engine stream ended without output")
-    return join_chunks(chunks)
-
-
-def join_chunks(chunks: list[EngineChunk]) -> EngineChunk:
-    """Consecutive chunks as one: text and tokens joined, the last chunk's end-of-request fields."""
-    logprobs = [lp for c in chunks for lp in (c.logprobs or [])]
-    last = chunks[-1]
-    return EngineChunk(
-        text="".join(c.text for c in chunks), token_ids=[t for c in chunks for t in c.token_ids],
-        finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
-        stats=last.stats, logprobs=logprobs or None, replica=last.replica,
-    )

@@ -1,10 +1,11 @@
-"""What an engine replica takes and gives: `EngineRequest`, `EngineChunk`, and the stats and
-extra arguments derived from them (no vLLM import at module level)."""
+"""What an engine replica takes and gives: `EngineRequest`, `EngineChunk`, the stats and extra
+arguments derived from them, and a stream's chunks joined into one (`join_chunks`, `collect`) (no vLLM
+import at module level)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, AsyncIterator, Optional
 
 from cluster.speculation import EXTRA_ARGS_K, EXTRA_ARGS_K_STEP, EXTRA_ARGS_MODE, SpecStats, accepted_runs
 
@@ -94,3 +95,22 @@ def extra_args(req: EngineRequest) -> dict[str, Any]:
     """
     return {EXTRA_ARGS_K: int(req.k), EXTRA_ARGS_MODE: req.mode,
             **({EXTRA_ARGS_K_STEP: float(req.k_step_alpha)} if req.k_step_alpha is not None else {})}
+
+
+async def collect(stream: AsyncIterator[EngineChunk]) -> EngineChunk:
+    """Drain a stream into one chunk (`join_chunks`)."""
+    chunks = [chunk async for chunk in stream]
+    if not chunks:
+        raise RuntimeError("engine stream ended without output")
+    return join_chunks(chunks)
+
+
+def join_chunks(chunks: list[EngineChunk]) -> EngineChunk:
+    """Consecutive chunks as one: text and tokens joined, the last chunk's end-of-request fields."""
+    logprobs = [lp for c in chunks for lp in (c.logprobs or [])]
+    last = chunks[-1]
+    return EngineChunk(
+        text="".join(c.text for c in chunks), token_ids=[t for c in chunks for t in c.token_ids],
+        finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
+        stats=last.stats, logprobs=logprobs or None, replica=last.replica,
+    )

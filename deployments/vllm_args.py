@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from cluster.config import PoolConfig
+from cluster.config_pool import PoolConfig
 from cluster.engine import lookup_proposer, remote_proposer
 from cluster.engine.vllm_scheduler import (ADDITIONAL_CONFIG_KEY, ENGINE_CORE_WAIT_KEY, SCHEDULER_CLS_PATH,
                                            STEP_K_EXPLORE_KEY, STEP_K_MAX_BATCH_KEY)

@@ -38,7 +38,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping, Optional, Sequence
 
-from cluster.config import AutoscalingConfig
+from cluster.config_pool import AutoscalingConfig
 from cluster.percentile import percentile
 from cluster.policy import BUCKET_BATCH, BUCKET_NAMES
 

@@ -27,7 +27,8 @@ import weakref
 from typing import Any, Callable, Mapping, Optional
 
 from cluster.autoscale.policy import MAX_REPLICAS, PolicyState, PoolSnapshot, ReplicaMetrics, decide, plain_step_points
-from cluster.config import AutoscalingConfig, RedisConfig
+from cluster.config import RedisConfig
+from cluster.config_pool import AutoscalingConfig
 
 log = logging.getLogger("specserve.autoscale")
 

@@ -7,8 +7,8 @@ announces when a target connects, and the pure checks of both directions.
 - `parse_reply` (target side) turns a reply into drafts per sequence, or raises BadFrame: a
   malformed reply is a failed call (no drafts that step), and every draft id is inside the
   vocabulary before it reaches vLLM.
-- The target keeps its requests inside the announced limits (`cluster.engine.remote_proposer`); a request
-  outside them comes from a broken or hostile peer.
+- The target keeps its requests inside the announced limits (`cluster.engine.draft_client.plan_call`); a
+  request outside them comes from a broken or hostile peer.
 """
 
 from __future__ import annotations

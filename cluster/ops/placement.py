@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from cluster.config import ClusterConfig, RedisConfig, DrafterDeploymentConfig, PoolConfig
+from cluster.config import ClusterConfig, RedisConfig, DrafterDeploymentConfig
 from cluster.config_base import RAY_BUILTIN_RESOURCES
+from cluster.config_pool import PoolConfig
 from cluster.engine.sampling_fix import ENV as SAMPLING_FIX_ENV
 
 # Registered through cluster.api.grpc_ingress so that undecodable bodies become INVALID_ARGUMENT.

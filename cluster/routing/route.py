@@ -12,7 +12,8 @@ from dataclasses import replace
 from typing import Optional
 
 from cluster.api.types import ApiError, ErrorCode
-from cluster.config import ClusterConfig, PoolConfig, RouterConfig
+from cluster.config import ClusterConfig, RouterConfig
+from cluster.config_pool import PoolConfig
 from cluster.policy.decision import Decision, OtherMethod, PoolView
 from cluster.policy import TuningView, choose_auto
 from cluster.speculation import SpecMode

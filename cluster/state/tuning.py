@@ -11,7 +11,8 @@ Keys: `{prefix}:{model}:{mode}:{class}:{bucket}` (prefix `specserve:v3` from Red
 per tuning cell with the count fields of `cluster.policy.CellStats` (`a{i}` / `e{i}` are the
 per-position accepted / exposed steps, `r{L}` the accepted runs of L tokens, `s{K}` / `t{K}` the
 steps and decode seconds of the requests that ran at K) and `updated` (unix s).
-The fields and their validation are `cluster.state.tuning_cells`'. A cell that is the wrong type, too big, has
+The fields and their validation are `cluster.state.tuning_cells`'; reading the cells back is
+`cluster.state.tuning_read`'s. A cell that is the wrong type, too big, has
 unknown fields, non-numeric or out-of-range values, or is stale is ignored with a (rate-limited) warning and
 a counter, and deleted so writers can rebuild it.
 Any Redis error (no connection, timeout, or an error reply such as OOM, READONLY or NOPERM) is survived
@@ -33,18 +34,14 @@ from typing import Callable, Optional
 import redis
 
 from cluster.config import RedisConfig
-from cluster.policy import BUCKET_NAMES, CellKey, CellStats, TuningView, load_bucket, tuning_rows
+from cluster.policy import BUCKET_NAMES, CellKey, TuningView, load_bucket, tuning_rows
 from cluster.speculation import WORKLOAD_CLASSES, SpecStats
 from cluster.state.redis_client import redis_client_from
-from cluster.state.tuning_cells import (
-    FLOAT_FIELDS, MAX_FIELDS, MODES, MalformedCell, add_increments, cell_key, increments_from_stats, key_segment,
-    parse_cell,
-)
+from cluster.state.tuning_cells import FLOAT_FIELDS, MODES, add_increments, cell_key, increments_from_stats
+from cluster.state.tuning_read import read_cells
 
 log = logging.getLogger("specserve.tuning")
 
-MAX_KEY_BYTES = 16384  # MEMORY USAGE of a full legitimate cell is ~2-4 KiB
-MAX_SCAN_ROUNDS = 20  # SCAN calls per refresh (COUNT 1000 each)
 MAX_MODELS = 16  # models a store built without a list registers as they come; later names are refused
 REDIS_ERRORS = (redis.RedisError, OSError)  # every failure of a Redis call, error replies included
 
@@ -281,52 +278,11 @@ class TuningStore:
         return keys
 
     def fetch_view(self, model: str) -> TuningView:
-        """Read and validate every cell of `model` from Redis now (raises redis errors).
-        SCAN for the model's keys (keys that are not cells are left alone), then HLEN (type and
-        field count) with MEMORY USAGE (size), then HGETALL of the cells that passed: three
-        round trips and ~1 ms of CPU for a few dozen cells."""
-        known = self._cell_keys(model)
-        pattern = f"{self.prefix}:{key_segment(model)}:*"
-        found, cursor, rounds = set(), 0, 0
-        while True:
-            cursor, batch = self._redis.scan(cursor=cursor, match=pattern, count=1000)
-            found.update(k.decode(errors="replace") if isinstance(k, bytes) else k for k in batch)
-            rounds += 1
-            if cursor == 0 or rounds >= MAX_SCAN_ROUNDS:
-                break
-        candidates = sorted(k for k in found if k in known)
-        pipe = self._redis.pipeline(transaction=False)
-        for key in candidates:
-            pipe.hlen(key)
-            pipe.memory_usage(key, samples=0)
-        replies = pipe.execute(raise_on_error=False)
-        present = []
-        for key, n, size in zip(candidates, replies[0::2], replies[1::2]):
-            _raise_unless_wrongtype(n)
-            if isinstance(n, Exception):
-                self._malformed(key, f"not a hash ({n})", "type")
-            elif n > MAX_FIELDS:
-                self._malformed(key, f"{n} fields", "fields")
-            elif isinstance(size, int) and size > MAX_KEY_BYTES:
-                self._malformed(key, f"{size} bytes", "size")
-            elif n:
-                present.append((known[key], key))
-        pipe = self._redis.pipeline(transaction=False)
-        for _, key in present:
-            pipe.hgetall(key)
-        now = self._clock()
-        max_age_s = self.ttl_s + 3600
-        cells: dict[CellKey, CellStats] = {}
-        for (ck, key), fields in zip(present, pipe.execute(raise_on_error=False)):
-            _raise_unless_wrongtype(fields)
-            try:
-                if isinstance(fields, Exception):
-                    raise MalformedCell(str(fields))
-                cell = parse_cell(fields, now, max_age_s)
-            except MalformedCell as e:
-                self._malformed(key, str(e), "value")
-                continue
-            cells[ck] = cell
+        """Read and validate every cell of `model` from Redis now (raises redis errors): the three
+        round trips of `cluster.state.tuning_read.read_cells`, with a malformed cell ignored and, when
+        `repair_malformed`, deleted (`_malformed`)."""
+        cells, now = read_cells(self._redis, self.prefix, model, self._cell_keys(model), self._clock,
+                                self.ttl_s + 3600, self._malformed)
         self.counters["refreshes"] += 1
         return TuningView(model=model, cells=cells, fetched_unix_s=now, rng=self._rng)
 
@@ -399,9 +355,3 @@ class TuningStore:
             return True
         return False
 
-
-def _raise_unless_wrongtype(reply) -> None:
-    """A per-command error reply of a read pipeline: WRONGTYPE says the key is malformed; any other
-    (NOPERM, a replica still loading, ...) is Redis failing, not the key, and fails the whole read."""
-    if isinstance(reply, Exception) and not str(reply).startswith("WRONGTYPE"):
-        raise reply

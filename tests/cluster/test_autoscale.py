@@ -13,7 +13,7 @@ from cluster.autoscale.policy import (
     LatencyWindow, PolicyState, PoolSnapshot, ReplicaMetrics, decide, effective_replicas, plain_step_points,
     replica_carry, with_capacity,
 )
-from cluster.config import AutoscalingConfig
+from cluster.config_pool import AutoscalingConfig
 from cluster.routing.route import PoolView
 from cluster.speculation import SpecMode
 

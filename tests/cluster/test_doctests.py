@@ -11,7 +11,7 @@ MODULES = ["cluster.percentile", "cluster.engine.lookup_proposer", "cluster.poli
            "tools.bench.runs_check", "tools.bench.split", "tools.bench.step_split", "tools.bench.k_replay", "cluster.ops.placement", "cluster.ops.ray_driver",
            "cluster.policy.teaching", "cluster.routing.deadline", "cluster.ops.cpu_pinning", "cluster.state.redis_client",
            "cluster.api.openai_body", "cluster.ops.models", "deployments.vllm_openai", "deployments.engine_types",
-           "deployments.router_http", "cluster.client_wire"]
+           "deployments.router_http", "cluster.client_wire", "deployments.engine_start"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -8,7 +8,8 @@ import copy
 import pytest
 
 from cluster.engine.draft_limits import BadFrame, WireLimits, parse_reply, parse_request, token_ids
-from cluster.engine.remote_proposer import SeqWork, plan_call
+from cluster.engine.draft_client import plan_call
+from cluster.engine.remote_proposer import SeqWork
 
 LIM = WireLimits(max_k=4, vocab_size=100, max_seq_tokens=32, max_call_tokens=40, max_seqs=3, max_evict=4,
                  max_frame_bytes=1 << 16, idle_timeout_s=60.0)

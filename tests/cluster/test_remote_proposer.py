@@ -14,8 +14,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from cluster.engine.draft_client import TcpDraftClient  # noqa: E402
 from cluster.engine.remote_proposer import (  # noqa: E402
-    CircuitBreaker, RemoteDraftProposer, RemoteDraftSession, SeqWork, TcpDraftClient,
+    CircuitBreaker, RemoteDraftProposer, RemoteDraftSession, SeqWork,
 )
 from cluster.speculation import EXTRA_ARGS_K  # noqa: E402
 from deployments.drafter import DraftModel, Drafter, DraftServer  # noqa: E402

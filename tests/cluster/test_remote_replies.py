@@ -14,9 +14,8 @@ import pytest
 
 from cluster.engine.draft_limits import WireLimits
 from cluster.engine.draft_wire import SECRET_ENV, WireError, server_handshake
-from cluster.engine.remote_proposer import (
-    RemoteDraftProposer, RemoteDraftSession, SeqWork, TcpDraftClient, connector,
-)
+from cluster.engine.draft_client import TcpDraftClient, connector
+from cluster.engine.remote_proposer import RemoteDraftProposer, RemoteDraftSession, SeqWork
 from tests.drafter_peer import SECRET
 
 LIMITS = WireLimits(max_k=4, vocab_size=97, max_seq_tokens=64, max_call_tokens=256, max_seqs=8, max_evict=64,

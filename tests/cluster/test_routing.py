@@ -166,7 +166,7 @@ def test_tuning_explain_command_prints_cold_start_choices_when_redis_is_unreacha
 # -- K growth within a request --------------------------------------------------------------------
 
 def _pool(**kw):
-    from cluster.config import PoolConfig
+    from cluster.config_pool import PoolConfig
 
     return PoolConfig(**{"model": "m", "method": "ngram", "max_k": 6, **kw})
 
@@ -180,7 +180,7 @@ def test_a_config_that_sets_k_by_another_rule_is_refused_naming_the_field(kw, me
     config that asks for K growth or for the policy's K at admission names a field nothing reads."""
     from pydantic import ValidationError
 
-    from cluster.config import PoolConfig
+    from cluster.config_pool import PoolConfig
 
     with pytest.raises(ValidationError, match=message):
         PoolConfig(model="m", **kw)

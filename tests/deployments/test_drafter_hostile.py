@@ -19,8 +19,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from cluster.engine.draft_client import TcpDraftClient  # noqa: E402
 from cluster.engine.draft_wire import AuthError, FrameReader, client_handshake, pack  # noqa: E402
-from cluster.engine.remote_proposer import RemoteDraftSession, SeqWork, TcpDraftClient  # noqa: E402
+from cluster.engine.remote_proposer import RemoteDraftSession, SeqWork  # noqa: E402
 from deployments.drafter import DraftModel, Drafter, DraftServer  # noqa: E402
 from tests.drafter_peer import SECRET, call, connect, greedy, send_body  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402

@@ -25,8 +25,9 @@ import deployments.engine_call as engine_call
 from cluster.api.types import ApiError
 from cluster.config import load_config
 import deployments.app as app
-from deployments.engine import EngineChunk, EngineInputError, EngineRequest, EngineServer, EngineStartTimeout
+from deployments.engine import EngineChunk, EngineInputError, EngineRequest, EngineServer
 from deployments.engine_death import RETIRE_EXIT_CODE, EngineDead, engine_died, retire_process
+from deployments.engine_start import EngineStartTimeout
 from specserve.v1 import specserve_pb2 as pb
 from tests.deployments.test_router import BODY, FINAL, FakeCall, make_router, post
 from tests.deployments.test_router_auth import Ctx

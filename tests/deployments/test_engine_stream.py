@@ -9,7 +9,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from cluster.config import load_config
-from deployments.engine import EngineRequest, EngineServer, collect
+from deployments.engine import EngineRequest, EngineServer
+from deployments.engine_types import collect
 from tests.paths import LOCAL_CPU
 
 POOL = load_config(LOCAL_CPU).pools["ngram"]

@@ -155,7 +155,7 @@ def test_an_engine_that_does_not_start_in_time_stops_the_start_up_naming_the_fie
     rc, log, left = _finish(proc, log_path, tag)
     assert left == [], f"left running after `specserve up` exited: {left}\n{log[-3000:]}"
     assert rc == 1, log[-3000:]
-    assert "engine-ngram: deployments.engine.EngineStartTimeout: pools.ngram.startup_timeout_s: " \
+    assert "engine-ngram: deployments.engine_start.EngineStartTimeout: pools.ngram.startup_timeout_s: " \
            "the engine did not start within 3 s" in log, log[-3000:]
 
 

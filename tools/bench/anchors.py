@@ -32,7 +32,8 @@ from typing import Any, Callable, Optional
 from tools.bench.autogroup import autogroup_note, local_autogroups
 from tools.bench.plan import ALL, AUTO, BEST, NONE, STOCK, BenchConfig, baseline_config
 from cluster.client_wire import ClientError
-from cluster.config import ClusterConfig, PoolConfig
+from cluster.config import ClusterConfig
+from cluster.config_pool import PoolConfig
 from cluster.ops.placement import cpu_engine_env
 from cluster.ops.models import resolve_server_args
 from deployments.engine import engine_kwargs

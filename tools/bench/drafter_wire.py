@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from cluster.engine.remote_proposer import TcpDraftClient
+from cluster.engine.draft_client import TcpDraftClient
 from cluster.percentile import percentile
 from cluster.tls import grpc_channel_credentials, grpc_server_credentials, make_test_ca_and_cert
 from deployments.draft_server import DraftServer
